@@ -1,0 +1,219 @@
+"""The ``model-support`` command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from model_support.core.discovery import ModelSource, load_config, locate, resolve_handler
+from model_support.core.errors import ModelNotFoundError, ModelSupportError
+from model_support.core.layout import derive_layout
+from model_support.core.registry import Registry, load_registry, parse_preferences
+from model_support.core.spec import HandlerSpec
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    help="Support a Hugging Face model family in a Megatron + vLLM RL/LoRA stack, and prove it.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+PreferOption = Annotated[
+    list[str] | None,
+    typer.Option("--prefer", help="Settle a claim conflict: ARCH=HANDLER or HANDLER (repeatable)."),
+]
+
+
+def _registry(prefer: list[str] | None = None) -> Registry:
+    registry = load_registry(prefer=parse_preferences(",".join(prefer or [])))
+    for problem in registry.problems:
+        err.print(f"[yellow]warning:[/] {problem}")
+    for arch, claimants in registry.conflicts().items():
+        names = ", ".join(c.label() for c in claimants)
+        err.print(f"[yellow]warning:[/] architecture {arch} is claimed by {names} (use --prefer)")
+    return registry
+
+
+def spec_to_dict(spec: HandlerSpec) -> dict[str, Any]:
+    data = dataclasses.asdict(dataclasses.replace(spec, codec=None))
+    data["codec"] = spec.codec.name if spec.codec is not None else None
+    data["reference_config"] = str(spec.reference_config) if spec.reference_config else None
+    return data
+
+
+@app.command("list")
+def list_handlers(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List the installed handlers and the plugins that provide them."""
+    registry = _registry()
+    rows = [
+        {
+            "handler": h.spec.name,
+            "architectures": list(h.spec.architectures),
+            "plugin": h.plugin.name,
+            "distribution": h.plugin.distribution,
+            "version": h.plugin.version,
+            "vllm_lora": "native" if h.spec.vllm_lora.native else "merged-only",
+        }
+        for h in sorted(registry.handlers.values(), key=lambda h: h.spec.name)
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="model-support handlers")
+    for col in ("handler", "architectures", "plugin (distribution version)", "vLLM LoRA"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["handler"],
+            "\n".join(r["architectures"]),
+            f"{r['plugin']} ({r['distribution']} {r['version']})",
+            r["vllm_lora"],
+        )
+    console.print(table)
+
+
+@app.command()
+def show(
+    name: Annotated[str, typer.Argument(help="Handler name or architecture.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a handler's whole declaration."""
+    entry = _registry().get(name)
+    data = spec_to_dict(entry.spec) | {"plugin": dataclasses.asdict(entry.plugin)}
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    spec = entry.spec
+    console.print(f"[bold]{spec.name}[/] ({entry.origin}): {spec.description}")
+    console.print(f"architectures: {', '.join(spec.architectures)}   model_types: {', '.join(spec.model_types)}")
+    console.print(f"topology: {spec.topology}   GDN linear attention: {spec.linear_attention}")
+    targets = Table(title="LoRA targets")
+    for col in ("scope", "Megatron", "HF / vLLM"):
+        targets.add_column(col)
+    for t in spec.lora_targets:
+        targets.add_row(str(t.scope), t.megatron, ", ".join(t.hf))
+    console.print(targets)
+    console.print(f"codec: {data['codec'] or 'none declared'}")
+    status = "native" if spec.vllm_lora.native else "merged-only"
+    console.print(f"vLLM LoRA: {status} ({spec.vllm_lora.reason})")
+    for dep in spec.dependencies:
+        extra = f" [extra {dep.extra}]" if dep.extra else ""
+        console.print(f"requires {dep.package} >= {dep.minimum}{extra}: {dep.reason}")
+    console.print(f"runtime: {dataclasses.asdict(spec.runtime)}")
+    if spec.reference_config:
+        console.print(f"reference config: {spec.reference_config}")
+
+
+@app.command()
+def stages() -> None:
+    """List the validation stages in pipeline order."""
+    from model_support.validation.runner import plan
+
+    registry = _registry()
+    origin = {s.stage.name: s.plugin.distribution for s in registry.stages}
+    table = Table(title="validation stages")
+    for col in ("stage", "requires", "proves", "from"):
+        table.add_column(col)
+    for stage in plan([s.stage for s in registry.stages]):
+        table.add_row(stage.name, ", ".join(stage.requires), stage.title, origin[stage.name])
+    console.print(table)
+
+
+def source_for(target: str, registry: Registry, tiny: bool) -> ModelSource:
+    """Locate ``target``; under ``--tiny`` a handler name or architecture uses its reference config."""
+    try:
+        return locate(target)
+    except ModelNotFoundError:
+        if not tiny or (target not in registry.handlers and target not in registry.claims):
+            raise
+    spec = registry.get(target).spec
+    if spec.reference_config is None:
+        raise ModelNotFoundError(f"handler {spec.name!r} ships no reference config; pass a model directory")
+    return locate(str(spec.reference_config))
+
+
+@app.command()
+def tiny(
+    target: Annotated[str, typer.Argument(help="Model dir, config.json, cached hub id, handler or architecture.")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the replica to.")],
+    seed: int = 0,
+) -> None:
+    """Build a tiny random replica of a model's architecture (weights, config, chat tokenizer)."""
+    from model_support.core.tiny import build_tiny
+
+    registry = _registry()
+    source = source_for(target, registry, tiny=True)
+    resolve_handler(source, registry)
+    build_tiny(source.raw_config, out, seed=seed)
+    console.print(f"tiny replica of {source.architectures[0]} written to {out}")
+
+
+@app.command()
+def check(
+    target: Annotated[str, typer.Argument(help="Model dir, config.json or hub id in the local HF cache.")],
+    tiny: Annotated[bool, typer.Option("--tiny", help="Check a tiny random replica of the architecture.")] = False,
+    stage: Annotated[
+        list[str] | None, typer.Option("--stage", "-s", help="Run only this stage and its prerequisites.")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+    markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Write the report as Markdown.")] = None,
+    junit_out: Annotated[Path | None, typer.Option("--junit", help="Write the report as JUnit XML.")] = None,
+    workdir: Annotated[Path | None, typer.Option(help="Keep artifacts (tiny model, exports) here.")] = None,
+    prefer: PreferOption = None,
+    seed: int = 0,
+) -> None:
+    """Resolve the handler for a model and run the validation stages on it."""
+    from model_support.validation.context import CheckContext
+    from model_support.validation.report import render_terminal, write_reports
+    from model_support.validation.runner import plan, run_checks
+
+    registry = _registry(prefer)
+    source = source_for(target, registry, tiny)
+    handler = resolve_handler(source, registry)
+    stages_to_run = plan([s.stage for s in registry.stages], stage)
+    with tempfile.TemporaryDirectory(prefix="model-support-") as tmp:
+        work = workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if tiny:
+            from model_support.core.tiny import build_tiny
+
+            model_dir = build_tiny(source.raw_config, work / "tiny-model", seed=seed)
+            source = locate(str(model_dir))
+        config = load_config(source)
+        ctx = CheckContext(
+            target=target,
+            model_dir=source.directory,
+            handler=handler,
+            config=config,
+            layout=derive_layout(config),
+            registry=registry,
+            workdir=work,
+            tiny=tiny,
+            seed=seed,
+        )
+        err.print(f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}")
+        report = run_checks(ctx, stages_to_run, on_result=lambda r: err.print(f"  {r.stage}: {r.status}"))
+    render_terminal(report, console)
+    write_reports(report, json_out, markdown_out, junit_out)
+    raise typer.Exit(report.exit_code)
+
+
+def main() -> None:
+    try:
+        app()
+    except ModelSupportError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""From what the user typed (a directory, a config.json, or a hub id in the local HF cache) to
+exactly one handler. Nothing here reaches the network."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model_support.core.errors import (
+    ConfigError,
+    HandlerConflictError,
+    ModelNotFoundError,
+    UnknownArchitectureError,
+)
+from model_support.core.registry import ADD_HANDLER_HINT, RegisteredHandler, Registry
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A located model: the directory holding config.json, and that config as JSON."""
+
+    target: str
+    directory: Path
+    raw_config: dict[str, Any]
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.raw_config.get("architectures") or [])
+
+    @property
+    def model_type(self) -> str | None:
+        return self.raw_config.get("model_type")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a local path and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
+            f"download it where there is network (`hf download {repo_id}`) or pass a local directory"
+        ) from None
+
+
+def locate(target: str) -> ModelSource:
+    """Find config.json for ``target`` and read it."""
+    path = Path(target).expanduser()
+    if path.is_file() and path.name.endswith(".json"):
+        directory, config_file = path.parent, path
+    elif path.is_dir():
+        directory, config_file = path, path / "config.json"
+    elif _HUB_ID.match(target) and not path.exists():
+        directory = _from_hf_cache(target)
+        config_file = directory / "config.json"
+    else:
+        raise ModelNotFoundError(f"{target!r} is neither a directory, a config.json, nor a hub id (org/name)")
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"{directory} has no config.json; point at a Hugging Face model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{config_file} is not readable JSON ({exc}); re-download or fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_file} does not hold a JSON object")
+    return ModelSource(target, directory, raw)
+
+
+def resolve_handler(source: ModelSource, registry: Registry) -> RegisteredHandler:
+    """The one handler for this config: by its architectures, else by its model_type."""
+    for arch in source.architectures:
+        if arch in registry.claims:
+            return registry.for_architecture(arch)
+    by_type = [h for h in registry.handlers.values() if source.model_type in h.spec.model_types]
+    if len(by_type) == 1:
+        return by_type[0]
+    if len(by_type) > 1:
+        names = " and ".join(h.label() for h in by_type)
+        raise HandlerConflictError(
+            f"model_type {source.model_type!r} is claimed by {names}; the config names no architecture "
+            "that settles it; add `architectures` to config.json or uninstall one handler"
+        )
+    what = ", ".join(source.architectures) or "no architectures"
+    supported = ", ".join(registry.supported_architectures()) or "none"
+    raise UnknownArchitectureError(
+        f"{source.target}: unsupported model ({what}, model_type {source.model_type!r}); "
+        f"supported architectures: {supported}; {ADD_HANDLER_HINT}"
+    )
+
+
+def load_config(source: ModelSource) -> Any:
+    """The transformers config object of a located model."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.directory, local_files_only=True)
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        import transformers
+
+        raise ConfigError(
+            f"transformers {transformers.__version__} cannot load {source.directory / 'config.json'} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]}); check the file or upgrade transformers"
+        ) from None

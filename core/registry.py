@@ -1,0 +1,192 @@
+"""The handler registry: every handler the installed plugins declare, and who claims what."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from model_support.core.errors import HandlerConflictError, UnknownArchitectureError
+from model_support.core.spec import HandlerSpec
+from model_support.plugins.manager import LoadedPlugins, PluginInfo, load_plugins
+
+if TYPE_CHECKING:
+    from model_support.validation.stage import Stage
+
+PREFER_ENV = "MODEL_SUPPORT_PREFER"
+ADD_HANDLER_HINT = "add a handler plugin for it (`model-support new-handler`, see docs/adding-a-model.md)"
+
+
+@dataclass(frozen=True)
+class RegisteredHandler:
+    spec: HandlerSpec
+    plugin: PluginInfo
+
+    @property
+    def origin(self) -> str:
+        return f"{self.plugin.distribution} {self.plugin.version}"
+
+    def label(self) -> str:
+        return f"handler {self.spec.name!r} ({self.origin})"
+
+
+@dataclass(frozen=True)
+class RegisteredStage:
+    stage: type[Stage]
+    plugin: PluginInfo
+
+
+def parse_preferences(raw: str) -> dict[str, str]:
+    """Parse ``MODEL_SUPPORT_PREFER``: comma-separated ``handler`` or ``Architecture=handler``.
+
+    A bare handler name wins every conflict it is part of (key ``"*"`` entries are stored as
+    ``{"*handler": handler}``).
+    """
+    prefs: dict[str, str] = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if sep:
+            prefs[key.strip()] = value.strip()
+        else:
+            prefs[f"*{part}"] = part
+    return prefs
+
+
+@dataclass
+class Registry:
+    handlers: dict[str, RegisteredHandler] = field(default_factory=dict)
+    stages: list[RegisteredStage] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    claims: dict[str, list[RegisteredHandler]] = field(default_factory=dict)
+    preferences: dict[str, str] = field(default_factory=dict)
+    plugins: dict[str, PluginInfo] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_plugins(cls, loaded: LoadedPlugins, preferences: Mapping[str, str] | None = None) -> Registry:
+        reg = cls(preferences=dict(preferences or {}), plugins=dict(loaded.plugins))
+        reg.problems.extend(b.message() for b in loaded.broken)
+        hook = loaded.manager.hook
+        for impl in hook.model_support_handlers.get_hookimpls():
+            reg._add_handlers(loaded.plugins[impl.plugin_name], impl.function)
+        for impl in hook.model_support_stages.get_hookimpls():
+            reg._add_stages(loaded.plugins[impl.plugin_name], impl.function)
+        return reg
+
+    def _call(self, plugin: PluginInfo, function: Any, what: str) -> list[Any] | None:
+        try:
+            result = function()
+        except Exception as exc:
+            self.problems.append(
+                f"plugin {plugin.name!r} ({plugin.distribution}) skipped: {what} raised {type(exc).__name__}: {exc}"
+            )
+            return None
+        if not isinstance(result, list | tuple):
+            self.problems.append(
+                f"plugin {plugin.name!r} ({plugin.distribution}) skipped: {what} returned "
+                f"{type(result).__name__}, expected a list"
+            )
+            return None
+        return list(result)
+
+    def _add_handlers(self, plugin: PluginInfo, function: Any) -> None:
+        specs = self._call(plugin, function, "model_support_handlers()")
+        if specs is None:
+            return
+        for spec in specs:
+            if not isinstance(spec, HandlerSpec):
+                self.problems.append(
+                    f"plugin {plugin.name!r} ({plugin.distribution}) returned a {type(spec).__name__} "
+                    "that is not a HandlerSpec; skipped it"
+                )
+                continue
+            entry = RegisteredHandler(spec, plugin)
+            existing = self.handlers.get(spec.name)
+            if existing is not None:
+                self.problems.append(
+                    f"handler name {spec.name!r} is declared by both {existing.origin} and {entry.origin}; "
+                    f"kept the first, rename one of them"
+                )
+                continue
+            self.handlers[spec.name] = entry
+            for arch in spec.architectures:
+                self.claims.setdefault(arch, []).append(entry)
+
+    def _add_stages(self, plugin: PluginInfo, function: Any) -> None:
+        from model_support.validation.stage import Stage
+
+        stages = self._call(plugin, function, "model_support_stages()")
+        for stage in stages or ():
+            if not (isinstance(stage, type) and issubclass(stage, Stage)):
+                self.problems.append(
+                    f"plugin {plugin.name!r} ({plugin.distribution}) returned {stage!r}, not a Stage class; skipped it"
+                )
+                continue
+            if any(s.stage.name == stage.name for s in self.stages):
+                self.problems.append(
+                    f"stage {stage.name!r} from {plugin.distribution} duplicates a registered stage; skipped it"
+                )
+                continue
+            self.stages.append(RegisteredStage(stage, plugin))
+
+    # ------------------------------------------------------------------ queries
+    def conflicts(self) -> dict[str, list[RegisteredHandler]]:
+        """Architectures claimed by more than one handler and not settled by a preference."""
+        return {
+            arch: claimants
+            for arch, claimants in self.claims.items()
+            if len(claimants) > 1 and self._preferred(arch, claimants) is None
+        }
+
+    def _preferred(self, arch: str, claimants: list[RegisteredHandler]) -> RegisteredHandler | None:
+        wanted = self.preferences.get(arch)
+        for c in claimants:
+            if c.spec.name == wanted or f"*{c.spec.name}" in self.preferences:
+                return c
+        return None
+
+    def supported_architectures(self) -> list[str]:
+        return sorted(self.claims)
+
+    def for_architecture(self, arch: str) -> RegisteredHandler:
+        claimants = self.claims.get(arch)
+        if not claimants:
+            supported = ", ".join(self.supported_architectures()) or "none"
+            raise UnknownArchitectureError(
+                f"no handler claims architecture {arch!r} (supported: {supported}); {ADD_HANDLER_HINT}"
+            )
+        if len(claimants) == 1:
+            return claimants[0]
+        chosen = self._preferred(arch, claimants)
+        if chosen is None:
+            names = " and ".join(c.label() for c in claimants)
+            raise HandlerConflictError(
+                f"architecture {arch!r} is claimed by {names}; choose one with "
+                f"{PREFER_ENV}={arch}={claimants[-1].spec.name} (or `--prefer`), or uninstall one"
+            )
+        return chosen
+
+    def get(self, name_or_arch: str) -> RegisteredHandler:
+        """A handler by its name or by an architecture it claims."""
+        if name_or_arch in self.handlers:
+            return self.handlers[name_or_arch]
+        if name_or_arch in self.claims:
+            return self.for_architecture(name_or_arch)
+        known = ", ".join(sorted(self.handlers)) or "none"
+        raise UnknownArchitectureError(
+            f"{name_or_arch!r} is neither a handler nor a claimed architecture (handlers: {known}); {ADD_HANDLER_HINT}"
+        )
+
+
+def load_registry(env: Mapping[str, str] | None = None, prefer: Mapping[str, str] | None = None) -> Registry:
+    """Load every allowed plugin and build the registry.
+
+    Preferences come from ``MODEL_SUPPORT_PREFER`` and, taking precedence, ``prefer``.
+    """
+    environ = dict(env if env is not None else os.environ)
+    preferences = parse_preferences(environ.get(PREFER_ENV, ""))
+    preferences.update(prefer or {})
+    return Registry.from_plugins(load_plugins(environ), preferences)

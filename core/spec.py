@@ -1,0 +1,182 @@
+"""The handler specification: one frozen, typed declaration per model family.
+
+A handler says which Hugging Face architectures it claims and everything the training stack
+needs to know about them. Numbers that depend on one checkpoint (layer count, expert count, which
+layers are Gated DeltaNet) are not part of the declaration: :func:`model_support.core.layout.derive_layout`
+reads them from the config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+    from model_support.core.layout import ModelLayout
+
+
+class SpecError(ValueError):
+    """A handler declaration is inconsistent."""
+
+
+class Topology(StrEnum):
+    DENSE = "dense"
+    MOE = "moe"
+
+
+class TargetScope(StrEnum):
+    """Where a LoRA target lives in a decoder layer."""
+
+    ATTENTION = "attention"  # full-attention layers
+    GDN = "gdn"  # Gated DeltaNet (linear attention) layers
+    MLP = "mlp"  # dense MLP
+    EXPERT = "expert"  # routed MoE experts (one adapter per expert on disk)
+    SHARED_EXPERT = "shared_expert"  # always-on shared expert of an MoE block
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One Megatron module and the Hugging Face / vLLM modules it covers.
+
+    ``hf`` lists module names as they appear in a PEFT adapter on disk (``q_proj``...). A fused
+    Megatron module (``linear_qkv``) covers several HF modules; the codec splits it.
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    scope: TargetScope
+
+    def __post_init__(self) -> None:
+        if not self.megatron or not self.hf:
+            raise SpecError("a LoRA target needs a Megatron name and at least one HF module name")
+
+
+@dataclass(frozen=True)
+class VllmLora:
+    """Whether vLLM can serve a LoRA adapter for this family natively, and why not if not."""
+
+    native: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class DependencyFloor:
+    """A minimum version of a package, with the reason it is needed.
+
+    ``extra`` names the optional extra that installs the package (``None``: a core requirement).
+    """
+
+    package: str
+    minimum: str
+    reason: str
+    extra: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimePolicy:
+    """How the training/serving stack must run this family."""
+
+    disable_mtp_for_training: bool = False
+    # GDN kernel backend: "auto" lets model_support.kernels.select_backend decide.
+    gdn_backend: str = "auto"
+
+
+@runtime_checkable
+class LoraCodec(Protocol):
+    """Converts LoRA tensors between Megatron's fused layout and the PEFT adapter on disk.
+
+    ``to_peft`` maps Megatron LoRA tensors (keyed by Megatron parameter name) to PEFT tensors
+    keyed by HF module names; ``from_peft`` is its exact inverse.
+    """
+
+    name: str
+
+    def to_peft(
+        self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout
+    ) -> dict[str, torch.Tensor]: ...
+
+    def from_peft(
+        self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout
+    ) -> dict[str, torch.Tensor]: ...
+
+
+_NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """The declaration of one model family."""
+
+    name: str
+    description: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    topology: Topology
+    lora_targets: tuple[LoraTarget, ...]
+    vllm_lora: VllmLora
+    linear_attention: bool = False
+    codec: LoraCodec | None = None
+    dependencies: tuple[DependencyFloor, ...] = ()
+    runtime: RuntimePolicy = field(default_factory=RuntimePolicy)
+    # A config.json of a real checkpoint of the family: `check <handler> --tiny` replicates it.
+    reference_config: Path | None = None
+
+    def __post_init__(self) -> None:
+        problems = declaration_problems(self)
+        if problems:
+            raise SpecError(f"handler {self.name!r}: " + "; ".join(problems))
+
+    def targets(self, *scopes: TargetScope) -> tuple[LoraTarget, ...]:
+        return tuple(t for t in self.lora_targets if not scopes or t.scope in scopes)
+
+    @property
+    def hf_target_modules(self) -> tuple[str, ...]:
+        """PEFT ``target_modules``: every HF module name, in declaration order, once."""
+        return tuple(dict.fromkeys(name for t in self.lora_targets for name in t.hf))
+
+    @property
+    def megatron_target_modules(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.megatron for t in self.lora_targets))
+
+
+def declaration_problems(spec: HandlerSpec) -> list[str]:
+    """Static consistency checks of a declaration (no model needed)."""
+    problems: list[str] = []
+    if not _NAME.match(spec.name):
+        problems.append("name must be lower-case letters, digits, '_', '-' or '.'")
+    if not spec.architectures:
+        problems.append("claims no architecture")
+    if not spec.model_types:
+        problems.append("claims no model_type")
+    if not spec.lora_targets:
+        problems.append("declares no LoRA target")
+    if not isinstance(spec.topology, Topology):
+        problems.append(f"topology must be a Topology, got {spec.topology!r}")
+    scopes = {t.scope for t in spec.lora_targets}
+    if TargetScope.EXPERT in scopes and spec.topology is not Topology.MOE:
+        problems.append("expert LoRA targets need topology MOE")
+    if TargetScope.SHARED_EXPERT in scopes and spec.topology is not Topology.MOE:
+        problems.append("shared-expert LoRA targets need topology MOE")
+    if spec.topology is Topology.MOE and TargetScope.EXPERT not in scopes:
+        problems.append("an MoE handler must target the experts")
+    if TargetScope.GDN in scopes and not spec.linear_attention:
+        problems.append("GDN LoRA targets need linear_attention=True")
+    if spec.linear_attention and TargetScope.GDN not in scopes:
+        problems.append("a linear-attention (GDN) handler must target the GDN projections")
+    seen: set[tuple[str, TargetScope]] = set()
+    for target in spec.lora_targets:
+        key = (target.megatron, target.scope)
+        if key in seen:
+            problems.append(f"Megatron target {target.megatron!r} ({target.scope}) declared twice")
+        seen.add(key)
+    if not spec.vllm_lora.native and not spec.vllm_lora.reason.strip():
+        problems.append("a merged-only vLLM LoRA status needs a reason")
+    if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
+        problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
+    return problems

@@ -1,0 +1,31 @@
+"""Qwen3 dense and Qwen3 MoE."""
+
+from model_support.core import targets
+from model_support.core.spec import DependencyFloor, HandlerSpec, Topology, VllmLora
+from model_support.handlers.configs import CONFIGS
+
+_TRANSFORMERS = DependencyFloor("transformers", "4.51.0", "first release with model_type qwen3 / qwen3_moe")
+
+QWEN3 = HandlerSpec(
+    name="qwen3",
+    description="Qwen3 dense decoder (GQA attention with q/k RMSNorm, SwiGLU MLP).",
+    architectures=("Qwen3ForCausalLM",),
+    model_types=("qwen3",),
+    topology=Topology.DENSE,
+    lora_targets=targets.ATTENTION + targets.DENSE_MLP,
+    vllm_lora=VllmLora(native=True, reason="vLLM's Qwen3ForCausalLM implements SupportsLoRA"),
+    dependencies=(_TRANSFORMERS,),
+    reference_config=CONFIGS / "qwen3-0.6b.json",
+)
+
+QWEN3_MOE = HandlerSpec(
+    name="qwen3-moe",
+    description="Qwen3 mixture of experts (routed experts, no shared expert).",
+    architectures=("Qwen3MoeForCausalLM",),
+    model_types=("qwen3_moe",),
+    topology=Topology.MOE,
+    lora_targets=targets.ATTENTION + targets.EXPERTS,
+    vllm_lora=VllmLora(native=True, reason="vLLM's Qwen3MoeForCausalLM implements SupportsLoRA with fused-MoE LoRA"),
+    dependencies=(_TRANSFORMERS,),
+    reference_config=CONFIGS / "qwen3-30b-a3b.json",
+)

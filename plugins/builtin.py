@@ -1,0 +1,19 @@
+"""The project's own plugin: built-in handlers and validation stages."""
+
+from collections.abc import Sequence
+
+from model_support.core.spec import HandlerSpec
+from model_support.handlers import BUILTIN_HANDLERS
+from model_support.plugins import hookimpl
+from model_support.validation.stage import Stage
+from model_support.validation.stages import BUILTIN_STAGES
+
+
+@hookimpl
+def model_support_handlers() -> Sequence[HandlerSpec]:
+    return list(BUILTIN_HANDLERS)
+
+
+@hookimpl
+def model_support_stages() -> Sequence[type[Stage]]:
+    return list(BUILTIN_STAGES)

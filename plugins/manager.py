@@ -1,0 +1,85 @@
+"""Loads plugins from the ``model_support`` entry-point group into a pluggy plugin manager.
+
+A plugin that fails to import, or whose module is not a valid plugin, is recorded as broken and
+skipped; the others keep working. ``MODEL_SUPPORT_PLUGINS`` (comma-separated entry-point names)
+restricts which plugins load.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import pluggy
+from model_support.plugins import hookspecs
+
+PLUGINS_ENV = "MODEL_SUPPORT_PLUGINS"
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One loaded plugin: its entry-point name and the distribution that ships it."""
+
+    name: str
+    distribution: str
+    version: str
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    name: str
+    distribution: str
+    error: str
+
+    def message(self) -> str:
+        return f"plugin {self.name!r} ({self.distribution}) skipped: {self.error}"
+
+
+@dataclass
+class LoadedPlugins:
+    manager: pluggy.PluginManager
+    plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    broken: list[BrokenPlugin] = field(default_factory=list)
+    filtered_out: list[str] = field(default_factory=list)
+
+
+def allowed_plugins(env: dict[str, str] | None = None) -> set[str] | None:
+    """The entry-point names ``MODEL_SUPPORT_PLUGINS`` allows, or ``None`` for all."""
+    raw = (env if env is not None else os.environ).get(PLUGINS_ENV, "").strip()
+    if not raw:
+        return None
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def _distribution(ep: metadata.EntryPoint) -> tuple[str, str]:
+    dist = ep.dist
+    if dist is None:
+        return "<unknown distribution>", "?"
+    return dist.metadata["Name"], dist.version
+
+
+def load_plugins(env: dict[str, str] | None = None) -> LoadedPlugins:
+    """Create a plugin manager with every allowed entry point of group ``model_support`` registered."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    loaded = LoadedPlugins(manager=manager)
+    allowed = allowed_plugins(env)
+    seen: set[str] = set()
+    for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist_name, version = _distribution(ep)
+        if ep.name in seen:
+            # The same distribution can be visible twice (e.g. an editable and a regular install).
+            continue
+        seen.add(ep.name)
+        if allowed is not None and ep.name not in allowed:
+            loaded.filtered_out.append(ep.name)
+            continue
+        try:
+            plugin = ep.load()
+            manager.register(plugin, name=ep.name)
+        except Exception as exc:  # a third party's import error must not take the others down
+            loaded.broken.append(BrokenPlugin(ep.name, dist_name, f"{type(exc).__name__}: {exc}"))
+            continue
+        loaded.plugins[ep.name] = PluginInfo(ep.name, dist_name, version)
+    return loaded

@@ -1,0 +1,1 @@
+"""The staged validation harness behind ``model-support check``."""

@@ -1,0 +1,36 @@
+"""What every stage of one ``model-support check`` run sees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from model_support.core.layout import ModelLayout
+    from model_support.core.registry import RegisteredHandler, Registry
+
+
+@dataclass
+class CheckContext:
+    """The model under check, its handler, and a place for stages to share what they built.
+
+    ``model_dir`` holds config.json, weights and tokenizer (a tiny replica under ``--tiny``).
+    ``artifacts`` lets a stage reuse what an earlier one built (keyed by a documented name),
+    so e.g. the Megatron model is converted once per run.
+    """
+
+    target: str
+    model_dir: Path
+    handler: RegisteredHandler
+    config: Any
+    layout: ModelLayout
+    registry: Registry
+    workdir: Path
+    tiny: bool = False
+    seed: int = 0
+    artifacts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec(self):  # -> HandlerSpec
+        return self.handler.spec

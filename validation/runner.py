@@ -1,0 +1,142 @@
+"""Runs stages in order: prerequisites first, dependents of a failure skipped with the reason."""
+
+from __future__ import annotations
+
+import platform
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from typing import Any
+
+from model_support.core.errors import ModelSupportError
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult, Status
+
+REPORTED_PACKAGES = ("model-support", "torch", "transformers", "megatron-core", "megatron-bridge", "peft")
+
+
+class UnknownStageError(ModelSupportError):
+    pass
+
+
+@dataclass
+class Report:
+    target: str
+    handler: str
+    handler_origin: str
+    model_dir: str
+    tiny: bool
+    layout: str
+    results: list[StageResult] = field(default_factory=list)
+    started: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    environment: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[StageResult]:
+        return [r for r in self.results if r.status is Status.FAIL]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def counts(self) -> dict[str, int]:
+        return {s.value: sum(r.status is s for r in self.results) for s in Status}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "handler": self.handler,
+            "handler_origin": self.handler_origin,
+            "model_dir": self.model_dir,
+            "tiny": self.tiny,
+            "layout": self.layout,
+            "started": self.started,
+            "environment": self.environment,
+            "counts": self.counts(),
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+def environment() -> dict[str, str]:
+    env = {"python": platform.python_version(), "platform": platform.platform()}
+    for dist in REPORTED_PACKAGES:
+        try:
+            env[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return env
+
+
+def plan(available: Sequence[type[Stage]], selected: Sequence[str] | None = None) -> list[type[Stage]]:
+    """The stages to run, in pipeline order: the selected ones plus everything they require."""
+    by_name = {s.name: s for s in available}
+    if not selected:
+        wanted = set(by_name)
+    else:
+        unknown = [n for n in selected if n not in by_name]
+        if unknown:
+            raise UnknownStageError(f"unknown stage(s) {', '.join(unknown)}; available: {', '.join(sorted(by_name))}")
+        wanted = set()
+        todo = list(selected)
+        while todo:
+            name = todo.pop()
+            if name in wanted:
+                continue
+            wanted.add(name)
+            for req in by_name[name].requires:
+                if req not in by_name:
+                    raise UnknownStageError(f"stage {name!r} requires {req!r}, which no plugin provides")
+                todo.append(req)
+    return sorted((by_name[n] for n in wanted), key=lambda s: (s.order, s.name))
+
+
+def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult]) -> StageResult:
+    for req in type(stage).requires:
+        prior = done.get(req)
+        if prior is None or prior.status is not Status.PASS:
+            state = "did not run" if prior is None else f"{prior.status}ed".replace("skiped", "skipped")
+            return stage.skipped(f"requires stage {req!r}, which {state}")
+    for requirement in type(stage).packages:
+        reason = requirement.missing_reason()
+        if reason:
+            return stage.skipped(reason)
+    reason = stage.skip_reason(ctx)
+    if reason:
+        return stage.skipped(reason)
+    try:
+        return stage.run(ctx)
+    except Exception as exc:
+        return stage.failed(
+            f"raised {type(exc).__name__}: {exc}",
+            details=traceback.format_exc().rstrip().splitlines()[-12:],
+        )
+
+
+def run_checks(
+    ctx: CheckContext,
+    stages: Sequence[type[Stage]],
+    on_result: Callable[[StageResult], None] | None = None,
+) -> Report:
+    """Run ``stages`` (already planned) against ``ctx`` and collect a report."""
+    report = Report(
+        target=ctx.target,
+        handler=ctx.spec.name,
+        handler_origin=ctx.handler.origin,
+        model_dir=str(ctx.model_dir),
+        tiny=ctx.tiny,
+        layout=ctx.layout.describe(),
+        environment=environment(),
+    )
+    done: dict[str, StageResult] = {}
+    for stage_cls in stages:
+        start = time.perf_counter()
+        result = _run_one(stage_cls(), ctx, done)
+        result.duration_s = time.perf_counter() - start
+        done[stage_cls.name] = result
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return report

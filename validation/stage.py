@@ -1,0 +1,103 @@
+"""A validation stage: one small class with one job, and the result it reports."""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from model_support.validation.context import CheckContext
+
+
+class Status(StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+@dataclass
+class StageResult:
+    """What a stage found. ``metrics`` are measured numbers, ``thresholds`` the limits they were held to."""
+
+    stage: str
+    status: Status
+    summary: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)
+    details: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "status": str(self.status),
+            "summary": self.summary,
+            "metrics": self.metrics,
+            "thresholds": self.thresholds,
+            "details": self.details,
+            "duration_s": round(self.duration_s, 3),
+        }
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A Python package a stage imports: the import name, the distribution, and the extra that installs it."""
+
+    module: str
+    distribution: str
+    extra: str | None = None
+
+    def missing_reason(self) -> str | None:
+        if importlib.util.find_spec(self.module) is not None:
+            return None
+        how = f"pip install 'model-support[{self.extra}]'" if self.extra else f"pip install {self.distribution}"
+        return f"{self.distribution} is not installed ({how})"
+
+
+class Stage(ABC):
+    """Base class of every validation stage.
+
+    Subclasses set ``name`` (CLI name), ``title`` (what passing proves, one line), ``order``
+    (position in the pipeline), ``requires`` (stages that must pass first) and ``packages``
+    (imports it needs; a missing one skips the stage with an install hint), and implement ``run``.
+    """
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    order: ClassVar[int]
+    requires: ClassVar[tuple[str, ...]] = ()
+    packages: ClassVar[tuple[Requirement, ...]] = ()
+
+    def skip_reason(self, ctx: CheckContext) -> str | None:
+        """Why this stage does not apply to the model at hand (``None``: it applies)."""
+        return None
+
+    @abstractmethod
+    def run(self, ctx: CheckContext) -> StageResult: ...
+
+    # Small constructors so stages read as what they conclude.
+    def passed(self, summary: str, **kw: Any) -> StageResult:
+        return StageResult(self.name, Status.PASS, summary, **kw)
+
+    def failed(self, summary: str, **kw: Any) -> StageResult:
+        return StageResult(self.name, Status.FAIL, summary, **kw)
+
+    def skipped(self, summary: str, **kw: Any) -> StageResult:
+        return StageResult(self.name, Status.SKIP, summary, **kw)
+
+    def judge(
+        self,
+        metrics: dict[str, Any],
+        thresholds: dict[str, float],
+        ok_summary: str,
+        details: list[str] | None = None,
+    ) -> StageResult:
+        """Pass when every metric named in ``thresholds`` is at most its threshold, else fail naming them."""
+        over = [k for k, limit in thresholds.items() if not float(metrics[k]) <= limit]
+        if over:
+            summary = "; ".join(f"{k}={float(metrics[k]):.3g} > {thresholds[k]:.3g}" for k in over)
+            return self.failed(summary, metrics=metrics, thresholds=thresholds, details=details or [])
+        return self.passed(ok_summary, metrics=metrics, thresholds=thresholds, details=details or [])

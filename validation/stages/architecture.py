@@ -1,0 +1,35 @@
+"""Stage `architecture`: the handler's declaration matches a model built from the config."""
+
+from __future__ import annotations
+
+from model_support.core.validate import build_meta_model, layout_problems, missing_targets
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+
+
+class ArchitectureStage(Stage):
+    name = "architecture"
+    title = "The config's architecture, layer layout and LoRA target modules match the handler declaration."
+    order = 20
+    requires = ("dependencies",)
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        layout = ctx.layout
+        problems = layout_problems(ctx.spec, layout)
+        model = build_meta_model(ctx.config)
+        missing = missing_targets(ctx.spec, model)
+        if missing:
+            problems.append(f"target modules missing from {type(model).__name__}: {', '.join(missing)}")
+        metrics = {
+            "layers": layout.num_layers,
+            "gdn_layers": len(layout.gdn_layers),
+            "attention_layers": len(layout.attention_layers),
+            "experts": layout.moe.num_experts if layout.moe else 0,
+            "lora_targets": len(ctx.spec.hf_target_modules),
+        }
+        details = [f"model class {type(model).__name__}: {layout.describe()}"]
+        if layout.mtp_layers and ctx.spec.runtime.disable_mtp_for_training:
+            details.append(f"{layout.mtp_layers} MTP layer(s) in the config: disabled for training by policy")
+        if problems:
+            return self.failed("; ".join(problems), metrics=metrics, details=details)
+        return self.passed(layout.describe(), metrics=metrics, details=details)
