@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
 from model_support.core.discovery import ModelSource, load_config, locate, resolve_handler
 from model_support.core.errors import ModelNotFoundError, ModelSupportError
 from model_support.core.layout import derive_layout
 from model_support.core.registry import Registry, load_registry, parse_preferences
 from model_support.core.spec import HandlerSpec
-from rich.console import Console
-from rich.table import Table
 
 app = typer.Typer(
     help="Support a Hugging Face model family in a Megatron + vLLM RL/LoRA stack, and prove it.",

@@ -142,11 +142,11 @@ class Registry:
         }
 
     def _preferred(self, arch: str, claimants: list[RegisteredHandler]) -> RegisteredHandler | None:
+        """An ``ARCH=HANDLER`` preference wins over a bare ``HANDLER`` one."""
         wanted = self.preferences.get(arch)
-        for c in claimants:
-            if c.spec.name == wanted or f"*{c.spec.name}" in self.preferences:
-                return c
-        return None
+        by_arch = [c for c in claimants if c.spec.name == wanted]
+        bare = [c for c in claimants if f"*{c.spec.name}" in self.preferences]
+        return (by_arch or bare or [None])[0]
 
     def supported_architectures(self) -> list[str]:
         return sorted(self.claims)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import torch
+
     from model_support.core.layout import ModelLayout
 
 

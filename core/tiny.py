@@ -83,6 +83,7 @@ def _scale_sections(sections: list[int], total: int) -> list[int]:
 
 def _shrink_text(text: dict[str, Any], vocab_size: int, token_ids: dict[str, int]) -> None:
     n_layers = _layer_count(text)
+    gdn_ratio = max(1, text.get("linear_num_value_heads", 1) // max(1, text.get("linear_num_key_heads") or 1))
     for key, value in _TEXT_DIMS.items():
         if key in text:
             text[key] = value
@@ -90,8 +91,7 @@ def _shrink_text(text: dict[str, Any], vocab_size: int, token_ids: dict[str, int
     if kv is not None:
         text["num_key_value_heads"] = heads if kv == heads else 2
     if "linear_num_value_heads" in text:
-        ratio = max(1, text["linear_num_value_heads"] // max(1, text.get("linear_num_key_heads") or 1))
-        text["linear_num_value_heads"] = _TEXT_DIMS["linear_num_key_heads"] * ratio
+        text["linear_num_value_heads"] = _TEXT_DIMS["linear_num_key_heads"] * gdn_ratio
     if text.get("num_experts") or text.get("num_local_experts"):
         key = "num_experts" if "num_experts" in text else "num_local_experts"
         text[key] = TINY_EXPERTS

@@ -1,0 +1,93 @@
+"""The model-support command line, run as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from tests.helpers import run_cli
+
+
+def test_list_shows_builtin_handlers_with_their_plugin():
+    result = run_cli("list")
+    assert result.returncode == 0, result.stderr
+    for name in ("qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe"):
+        assert f"│ {name} " in result.stdout
+    assert "builtin (model-support 0.1.0)" in result.stdout
+    assert "merged-only" in result.stdout and "native" in result.stdout
+
+
+def test_show_by_handler_or_architecture():
+    by_arch = run_cli("show", "Qwen3_5MoeForConditionalGeneration", "--json")
+    assert by_arch.returncode == 0, by_arch.stderr
+    data = json.loads(by_arch.stdout)
+    assert data["name"] == "qwen3.5-moe"
+    assert data["topology"] == "moe" and data["linear_attention"] is True
+    assert {"megatron": "in_proj", "hf": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "scope": "gdn"} in (
+        data["lora_targets"]
+    )
+    assert data["runtime"]["disable_mtp_for_training"] is True
+    assert data["plugin"]["distribution"] == "model-support"
+    text = run_cli("show", "qwen3")
+    assert "LoRA targets" in text.stdout and "linear_qkv" in text.stdout
+
+
+def test_show_unknown_is_one_line_error():
+    result = run_cli("show", "llama")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: 'llama' is neither a handler nor a claimed architecture (handlers: qwen3, qwen3-moe, qwen3.5, "
+        "qwen3.5-moe); add a handler plugin for it (`model-support new-handler`, see docs/adding-a-model.md)"
+    ]
+
+
+def test_check_tiny_writes_every_report_format(tmp_path):
+    out = tmp_path / "r"
+    result = run_cli(
+        "check", "qwen3-moe", "--tiny", "-s", "architecture", "--workdir", str(tmp_path / "w"),
+        "--json", str(out / "r.json"), "--markdown", str(out / "r.md"), "--junit", str(out / "r.xml"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed, 0 failed, 0 skipped" in result.stdout
+    data = json.loads((out / "r.json").read_text())
+    assert data["tiny"] is True and data["handler"] == "qwen3-moe"
+    arch = next(r for r in data["results"] if r["stage"] == "architecture")
+    assert arch["metrics"]["experts"] == 4
+    assert (tmp_path / "w" / "tiny-model" / "config.json").is_file()
+    assert "| architecture | PASS |" in (out / "r.md").read_text()
+    assert ET.parse(out / "r.xml").getroot().find("testsuite").get("failures") == "0"
+
+
+def test_check_unknown_stage_and_bad_path_are_one_line_errors(tmp_path):
+    bad_stage = run_cli("check", "qwen3", "--tiny", "-s", "nope")
+    assert bad_stage.returncode == 2
+    assert bad_stage.stderr.startswith("error: unknown stage(s) nope; available: ")
+    bad_path = run_cli("check", str(tmp_path / "missing" / "model"))
+    assert bad_path.returncode == 2
+    assert "is neither a directory, a config.json, nor a hub id" in bad_path.stderr
+    assert "Traceback" not in bad_path.stderr
+
+
+def test_check_fails_with_a_nonzero_exit_when_the_declaration_is_wrong(tmp_path, tiny_model_dir):
+    # A Qwen3 checkpoint whose config says MoE: the qwen3 handler claims the architecture but the layout disagrees.
+    model = tiny_model_dir("qwen3")
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = run_cli("check", str(tmp_path), "-s", "architecture", "--json", str(tmp_path / "r.json"))
+    assert result.returncode == 1
+    arch = json.loads((tmp_path / "r.json").read_text())["results"][1]
+    assert arch["status"] == "fail"
+    assert arch["summary"] == "handler declares dense but the config has 4 experts"
+
+
+def test_tiny_command_writes_a_loadable_replica(tmp_path):
+    result = run_cli("tiny", "Qwen3ForCausalLM", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["hidden_size"] == 64
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert (
+        "chat_template" in (tmp_path / "m" / "tokenizer_config.json").read_text()
+        or (tmp_path / "m" / "chat_template.jinja").is_file()
+    )

@@ -1,0 +1,125 @@
+"""Plugin loading with real third-party packages pip-installed next to the project."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from model_support.core.errors import HandlerConflictError, UnknownArchitectureError
+from model_support.core.registry import load_registry
+from model_support.plugins.manager import load_plugins
+from tests.helpers import pip_install_target, run_cli
+
+FIXTURES = Path(__file__).parent / "fixtures" / "plugins"
+BUILTIN = {"qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe"}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with three real third-party plugin distributions installed by pip."""
+    target = tmp_path_factory.mktemp("site")
+    for name in ("ms-broken", "ms-garbage", "ms-dupe"):
+        pip_install_target(FIXTURES / name, target)
+    return target
+
+
+@pytest.fixture
+def with_site(site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def test_builtins_register_through_the_projects_own_entry_point():
+    registry = load_registry(env={})
+    assert set(registry.handlers) == BUILTIN
+    assert {h.plugin.name for h in registry.handlers.values()} == {"builtin"}
+    assert {h.plugin.distribution for h in registry.handlers.values()} == {"model-support"}
+    assert [s.stage.name for s in registry.stages][:2] == ["dependencies", "architecture"]
+    assert registry.problems == []
+
+
+def test_broken_and_garbage_plugins_are_reported_by_name_and_skipped(with_site: Path):
+    registry = load_registry(env={})
+    problems = "\n".join(registry.problems)
+    assert "plugin 'broken' (model-support-broken) skipped: ModuleNotFoundError" in problems
+    assert "a_dependency_that_is_not_installed" in problems
+    assert "plugin 'garbage' (model-support-garbage) returned a str that is not a HandlerSpec" in problems
+    assert "plugin 'garbage' (model-support-garbage) returned a int that is not a HandlerSpec" in problems
+    assert "plugin 'garbage' (model-support-garbage) returned <class 'object'>, not a Stage class" in problems
+    # The healthy plugins keep working.
+    assert BUILTIN | {"qwen3-alt"} == set(registry.handlers)
+    assert registry.get("qwen3.5").spec.name == "qwen3.5"
+
+
+def test_duplicate_claim_is_an_error_naming_both_distributions(with_site: Path):
+    registry = load_registry(env={})
+    assert set(registry.conflicts()) == {"Qwen3ForCausalLM"}
+    with pytest.raises(HandlerConflictError) as info:
+        registry.for_architecture("Qwen3ForCausalLM")
+    message = str(info.value)
+    assert "handler 'qwen3' (model-support 0.1.0)" in message
+    assert "handler 'qwen3-alt' (model-support-qwen3-alt 1.2.3)" in message
+    assert "MODEL_SUPPORT_PREFER=Qwen3ForCausalLM=" in message
+    # Unrelated architectures still resolve.
+    assert registry.for_architecture("Qwen3MoeForCausalLM").spec.name == "qwen3-moe"
+
+
+@pytest.mark.parametrize(
+    ("env", "prefer", "winner"),
+    [
+        ({"MODEL_SUPPORT_PREFER": "Qwen3ForCausalLM=qwen3-alt"}, None, "qwen3-alt"),
+        ({"MODEL_SUPPORT_PREFER": "qwen3"}, None, "qwen3"),
+        ({"MODEL_SUPPORT_PREFER": "qwen3"}, {"Qwen3ForCausalLM": "qwen3-alt"}, "qwen3-alt"),
+    ],
+)
+def test_explicit_override_settles_a_conflict(with_site: Path, env, prefer, winner):
+    registry = load_registry(env=env, prefer=prefer)
+    assert registry.conflicts() == {}
+    assert registry.for_architecture("Qwen3ForCausalLM").spec.name == winner
+
+
+def test_environment_variable_restricts_which_plugins_load(with_site: Path):
+    loaded = load_plugins(env={"MODEL_SUPPORT_PLUGINS": "builtin, qwen3-alt"})
+    assert set(loaded.plugins) == {"builtin", "qwen3-alt"}
+    assert sorted(loaded.filtered_out) == ["broken", "garbage"]
+    assert loaded.broken == []
+    only_third_party = load_registry(env={"MODEL_SUPPORT_PLUGINS": "qwen3-alt"})
+    assert set(only_third_party.handlers) == {"qwen3-alt"}
+    with pytest.raises(UnknownArchitectureError, match="no handler claims architecture 'Qwen3_5ForCausalLM'"):
+        only_third_party.for_architecture("Qwen3_5ForCausalLM")
+
+
+def test_cli_lists_third_party_handlers_and_warns_about_broken_ones(site: Path):
+    result = run_cli("list", "--json", site=site)
+    assert result.returncode == 0, result.stderr
+    rows = {r["handler"]: r for r in json.loads(result.stdout)}
+    assert rows["qwen3-alt"]["distribution"] == "model-support-qwen3-alt"
+    assert rows["qwen3-alt"]["version"] == "1.2.3"
+    assert rows["qwen3-alt"]["vllm_lora"] == "merged-only"
+    assert rows["qwen3.5"]["distribution"] == "model-support"
+    assert "plugin 'broken' (model-support-broken) skipped" in result.stderr
+    assert "architecture Qwen3ForCausalLM is claimed by" in result.stderr
+
+
+def test_cli_check_on_a_conflicted_architecture_is_a_one_line_error(site: Path, tiny_model_dir):
+    model = tiny_model_dir("qwen3")
+    result = run_cli("check", str(model), site=site, env={"MODEL_SUPPORT_PLUGINS": "builtin,qwen3-alt"})
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1
+    assert "model-support-qwen3-alt 1.2.3" in error_lines[0]
+    assert "Traceback" not in result.stderr
+    settled = run_cli(
+        "check",
+        str(model),
+        "--prefer",
+        "Qwen3ForCausalLM=qwen3-alt",
+        "-s",
+        "architecture",
+        site=site,
+        env={"MODEL_SUPPORT_PLUGINS": "builtin,qwen3-alt"},
+    )
+    assert settled.returncode == 0, settled.stdout + settled.stderr
+    assert "with handler qwen3-alt (model-support-qwen3-alt 1.2.3)" in settled.stderr
