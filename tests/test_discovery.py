@@ -56,17 +56,17 @@ def test_unknown_architecture_lists_what_is_supported_and_how_to_add_it(tmp_path
 
 
 def test_missing_and_corrupt_inputs_are_clear_errors(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="neither a directory, a config.json, nor a hub id"):
+    with pytest.raises(ModelNotFoundError, match=r"neither a directory, a config\.json, nor a hub id"):
         locate(str(tmp_path / "nope" / "deeper"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+    with pytest.raises(ModelNotFoundError, match=r"has no config\.json"):
         locate(str(tmp_path / "empty"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="is not readable JSON"):
         locate(str(tmp_path / "bad"))
     unknown_type = _write(tmp_path / "odd", {"architectures": ["Qwen3ForCausalLM"], "model_type": "no_such_type"})
-    with pytest.raises(ConfigError, match="cannot load .*config.json"):
+    with pytest.raises(ConfigError, match=r"cannot load .*config\.json"):
         load_config(locate(str(unknown_type)))
 
 
