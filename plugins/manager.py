@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 import pluggy
+
 from model_support.plugins import hookspecs
 
 PLUGINS_ENV = "MODEL_SUPPORT_PLUGINS"

@@ -7,10 +7,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from model_support.validation.runner import Report
-from model_support.validation.stage import StageResult, Status
 from rich.console import Console
 from rich.table import Table
+
+from model_support.validation.runner import Report
+from model_support.validation.stage import StageResult, Status
 
 _STYLE = {Status.PASS: "green", Status.FAIL: "bold red", Status.SKIP: "yellow"}
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from packaging.version import Version
+
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
-from packaging.version import Version
 
 
 class DependenciesStage(Stage):
