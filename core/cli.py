@@ -134,8 +134,13 @@ def source_for(target: str, registry: Registry, tiny: bool) -> ModelSource:
     try:
         return locate(target)
     except ModelNotFoundError:
-        if not tiny or (target not in registry.handlers and target not in registry.claims):
+        if target not in registry.handlers and target not in registry.claims:
             raise
+        if not tiny:
+            raise ModelNotFoundError(
+                f"{target!r} names a handler, not a model: pass --tiny to check a tiny replica of its reference "
+                "config, or pass a model directory"
+            ) from None
     spec = registry.get(target).spec
     if spec.reference_config is None:
         raise ModelNotFoundError(f"handler {spec.name!r} ships no reference config; pass a model directory")
