@@ -18,6 +18,7 @@ from model_support.core.errors import ModelNotFoundError, ModelSupportError
 from model_support.core.layout import derive_layout
 from model_support.core.registry import Registry, load_registry, parse_preferences
 from model_support.core.spec import HandlerSpec
+from model_support.plugins.new_handler import new_handler
 
 app = typer.Typer(
     help="Support a Hugging Face model family in a Megatron + vLLM RL/LoRA stack, and prove it.",
@@ -211,6 +212,9 @@ def check(
     render_terminal(report, console)
     write_reports(report, json_out, markdown_out, junit_out)
     raise typer.Exit(report.exit_code)
+
+
+app.command("new-handler")(new_handler)
 
 
 def main() -> None:
