@@ -56,6 +56,11 @@ def template_context(
     source = locate(config)
     if not source.architectures or not source.model_type:
         raise NewHandlerError(f"{config}: config.json must name `architectures` and `model_type`")
+    name = name or source.model_type.replace("_", "-")
+    if not _NAME.match(name):
+        raise NewHandlerError(
+            f"handler name {name!r} must be lower-case letters, digits, '_', '-' or '.' (starting with a letter)"
+        )
     with tempfile.TemporaryDirectory() as tmp:  # the config file may have any name; transformers wants config.json
         (Path(tmp) / "config.json").write_text(json.dumps(source.raw_config))
         transformers_config = load_config(locate(tmp))
@@ -63,11 +68,6 @@ def template_context(
         layout = derive_layout(transformers_config)
     except ValueError as exc:
         raise NewHandlerError(f"{config}: cannot read the layer layout ({exc})") from None
-    name = name or source.model_type.replace("_", "-")
-    if not _NAME.match(name):
-        raise NewHandlerError(
-            f"handler name {name!r} must be lower-case letters, digits, '_', '-' or '.' (starting with a letter)"
-        )
     architecture = source.architectures[0]
     gdn = bool(layout.gdn_layers)
     return {

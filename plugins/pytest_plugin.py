@@ -246,9 +246,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker(MARKER)
     targets = list(marker.args) if marker and marker.args else metafunc.config.getini(TARGETS_INI)
     if not targets:
-        raise pytest.UsageError(
+        pytest.fail(
             f"{metafunc.definition.nodeid} uses model_support_stage but names no target: mark it with "
-            f"@pytest.mark.{MARKER}('<handler>', tiny=True) or set {TARGETS_INI} in the pytest ini"
+            f"@pytest.mark.{MARKER}('<handler>', tiny=True) or set {TARGETS_INI} in the pytest ini",
+            pytrace=False,
         )
     kwargs = dict(marker.kwargs) if marker else {}
     harness = _harness(metafunc.config)
@@ -258,7 +259,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         try:
             planned = harness.planned(request)
         except ModelSupportError as exc:
-            raise pytest.UsageError(f"{metafunc.definition.nodeid}: {exc}") from None
+            pytest.fail(f"{metafunc.definition.nodeid}: {exc}", pytrace=False)
         for stage in planned:
             params.append((request, stage))
             ids.append(f"{request.label}-{stage}")
