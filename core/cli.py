@@ -19,6 +19,7 @@ from model_support.core.layout import derive_layout
 from model_support.core.registry import Registry, load_registry, parse_preferences
 from model_support.core.spec import HandlerSpec
 from model_support.plugins.new_handler import new_handler
+from model_support.plugins.reference_docs import docs
 
 app = typer.Typer(
     help="Support a Hugging Face model family in a Megatron + vLLM RL/LoRA stack, and prove it.",
@@ -215,6 +216,7 @@ def check(
 
 
 app.command("new-handler")(new_handler)
+app.command("docs")(docs)
 
 
 def main() -> None:

@@ -128,7 +128,7 @@ def new_handler(
     author: Annotated[str, typer.Option(help="Package author.")] = "",
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o", help="Where to create the package.")] = Path("."),
     no_input: Annotated[bool, typer.Option("--no-input", help="Do not prompt; use the flags and the config.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Overwrite an existing package directory.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Overwrite an existing package directory.")] = False,
 ) -> None:
     """Generate a handler plugin package (pyproject entry point, declaration, reference config, tests)."""
     from model_support.core.registry import load_registry
