@@ -1,0 +1,212 @@
+"""Varlen Gated DeltaNet (chunked), forward and backward, with fla's calling convention.
+
+Layout (as fla's ``chunk_gated_delta_rule``): ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``,
+``g`` (log decay, <= 0) and ``beta [B, T, HV]``; ``HV`` a multiple of ``H`` (each query/key
+head serves ``HV / H`` consecutive value heads). Packed input is ``B = 1`` with
+``cu_seqlens [N + 1]``; states are ``[N, HV, K, V]`` (float32, float64 for float64 input).
+Tokens at and after ``cu_seqlens[-1]`` are trailing padding: zero output, zero gradient.
+
+Chunked formulation (our own paths). Per chunk of ``C = 64`` tokens, with ``G`` the
+cumulative log decay inside the chunk, ``L[t, s] = exp(G_t - G_s)`` for ``s <= t`` and
+``S`` the state entering the chunk, the delta rule's corrections ``D`` solve the
+unit lower-triangular system ``(I + A) D = beta * (V - exp(G) K S)`` with
+``A[t, s] = beta_t L[t, s] k_t.k_s`` (``s < t``). Solving once for the chunk gives
+``D = u - w S`` (``u``, ``w``: the WY representation), then
+``O = (exp(G) q) S + ((q k^T) * L) D`` and ``S' = exp(G_C) S + (exp(G_C - G) k)^T D``.
+Only the last line is sequential (``_recurrence``); the rest is batched over all chunks of
+all sequences. All exponents are <= 0, so nothing overflows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_support.kernels._recurrence import ChunkSchedule, state_recurrence
+from model_support.kernels.backend import BackendChoice, check_backend, select_backend
+from model_support.kernels.reference import l2norm
+
+__all__ = ["CHUNK_SIZE", "chunk_gated_delta_rule"]
+
+CHUNK_SIZE = 64
+
+
+@dataclass(frozen=True)
+class _ChunkLayout:
+    """Where each real packed token lands in the flat ``[n_chunks * C]`` chunk buffer."""
+
+    dest: torch.Tensor
+    n_chunks: int
+    schedule: ChunkSchedule
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, chunk: int) -> _ChunkLayout:
+        cu = cu_seqlens.long()
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if any(n < 0 for n in lengths):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        counts = [-(-n // chunk) for n in lengths]
+        schedule = ChunkSchedule.build(counts, cu.device)
+        seq = torch.repeat_interleave(
+            torch.arange(len(lengths), device=cu.device), torch.tensor(lengths, device=cu.device)
+        )
+        token = torch.arange(seq.numel(), device=cu.device)
+        dest = schedule.offsets[seq] * chunk + (token - cu[seq])
+        return cls(dest=dest, n_chunks=sum(counts), schedule=schedule)
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H, ...]`` packed -> ``[n_chunks, H, C, ...]`` (zeros where no token sits)."""
+        n_valid = self.dest.numel()
+        buf = x.new_zeros(self.n_chunks * CHUNK_SIZE, *x.shape[1:]).index_copy(0, self.dest, x[:n_valid])
+        return buf.view(self.n_chunks, CHUNK_SIZE, *x.shape[1:]).movedim(1, 2)
+
+    def from_chunks(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """``[n_chunks, H, C, D]`` -> packed ``[total, H, D]``, zeros after the real tokens."""
+        flat = x.movedim(2, 1).reshape(self.n_chunks * CHUNK_SIZE, *x.shape[1:2], *x.shape[3:])
+        out = flat.index_select(0, self.dest)
+        pad = total - out.shape[0]
+        return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
+
+
+def _chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our chunked path on packed ``[1, T, ...]`` input; returns output and final states."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    total = q.shape[1]
+    heads, v_heads = q.shape[2], v.shape[2]
+    q, k, v, g, beta = (x[0].to(compute) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    if v_heads != heads:
+        q = q.repeat_interleave(v_heads // heads, dim=1)
+        k = k.repeat_interleave(v_heads // heads, dim=1)
+
+    layout = _ChunkLayout.build(cu_seqlens, CHUNK_SIZE)
+    q, k, v, g, beta = (layout.to_chunks(x) for x in (q, k, v, g, beta))
+    cum = g.cumsum(-1)  # [Nc, HV, C]
+    causal = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    # WY representation: solve (I + A) [u | w] = beta * [V | exp(G) K]; A has a zero diagonal
+    # and unitriangular=True reads it as I + A.
+    a = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
+    rhs = torch.cat([v * beta[..., None], k * (beta * cum.exp())[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], k.shape[-1]], dim=-1
+    )
+    last = cum[..., -1]  # padding slots have g = 0, so this is the decay of the real tokens
+    kd = k * (last[..., None] - cum).exp()[..., None]
+
+    n_seq = cu_seqlens.numel() - 1
+    s0 = q.new_zeros(n_seq, v_heads, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(compute)
+    d, s_start, s_final = state_recurrence(u, w, kd, last.exp(), s0, layout.schedule, use_triton=use_triton)
+
+    o = (q * cum.exp()[..., None]) @ s_start + ((q @ k.transpose(-1, -2)) * decay) @ d
+    return layout.from_chunks(o, total)[None], s_final
+
+
+def _fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+    total = q.shape[1]
+    n_valid = total if cu_seqlens is None else int(cu_seqlens[-1])
+    if n_valid < total:
+        q, k, v, g, beta = (x[:, :n_valid] for x in (q, k, v, g, beta))
+    o, final = fla_chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+    )
+    if n_valid < total:
+        o = torch.cat([o, o.new_zeros(1, total - n_valid, *o.shape[2:])], dim=1)
+    return o, final
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    backend: str | BackendChoice | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated DeltaNet over packed or batched sequences; differentiable in every tensor input.
+
+    Args mirror fla's ``chunk_gated_delta_rule`` (``use_qk_l2norm`` is its
+    ``use_qk_l2norm_in_kernel``). ``cu_seqlens`` (int32 or int64, e.g. from
+    :func:`model_support.kernels.packing.cu_seqlens_from_position_ids`) needs ``B = 1``.
+    ``backend``: a name from :data:`model_support.kernels.backend.BACKENDS`, a
+    :class:`BackendChoice`, or ``None`` for :func:`select_backend` on ``q``'s device. A named
+    backend that cannot run correctly here raises ``ValueError``.
+
+    Returns ``(o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] or None)``.
+    """
+    batch, total, heads, k_dim = q.shape
+    v_heads = v.shape[2]
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or g.shape != v.shape[:3] or beta.shape != g.shape:
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
+        )
+    if v_heads % heads:
+        raise ValueError(f"value heads ({v_heads}) must be a multiple of query/key heads ({heads})")
+    if cu_seqlens is not None and batch != 1:
+        raise ValueError(f"cu_seqlens needs packed input with batch size 1, got {batch}")
+    scale = k_dim**-0.5 if scale is None else scale
+
+    need_backward = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+    )
+    if backend is None:
+        name = select_backend(q.device, need_backward=need_backward).name
+    else:
+        name = backend.name if isinstance(backend, BackendChoice) else backend
+        check_backend(name, q.device, need_backward=need_backward)
+
+    if name == "fla":
+        return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm)
+
+    if cu_seqlens is None:
+        cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * total
+        q, k, v, g, beta = (x.reshape(1, batch * total, *x.shape[2:]) for x in (q, k, v, g, beta))
+    else:
+        cu = cu_seqlens
+    o, final = _chunked(q, k, v, g, beta, cu, initial_state, scale, use_qk_l2norm, use_triton=name == "chunked-triton")
+    o = o.reshape(batch, total, v_heads, v.shape[-1]).to(v.dtype)
+    return o, final if output_final_state else None

@@ -1,0 +1,76 @@
+"""Shared-prefix Gated DeltaNet: G completions of one prompt, the prompt computed once.
+
+Naive packing repeats the P prompt tokens in each of the G rows (``G * (P + C)`` tokens).
+Here the prompt runs once with ``output_final_state=True``; its final state is fanned out
+as the ``initial_state`` of every completion (``P + G * C`` tokens). The fan-out is an
+``expand``, so autograd sums the G completions' state gradients back into the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from model_support.kernels.backend import BackendChoice
+from model_support.kernels.gdn import chunk_gated_delta_rule
+
+__all__ = ["GDNInputs", "SharedPrefixOutput", "shared_prefix_gated_delta_rule"]
+
+
+class GDNInputs(NamedTuple):
+    """One packed ``[1, T, ...]`` set of Gated DeltaNet inputs (layout of ``gdn.py``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+class SharedPrefixOutput(NamedTuple):
+    prefix: torch.Tensor
+    """Prompt outputs ``[1, P, HV, V]``."""
+    completions: torch.Tensor
+    """Completion outputs ``[1, sum(C_i), HV, V]``, packed as the input."""
+    final_state: torch.Tensor | None
+    """Each completion's final state ``[G, HV, K, V]`` when asked for."""
+
+
+def shared_prefix_gated_delta_rule(
+    prefix: GDNInputs,
+    completions: GDNInputs,
+    completion_cu_seqlens: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    backend: str | BackendChoice | None = None,
+) -> SharedPrefixOutput:
+    """Run one prompt (``prefix``, a single sequence) and G packed completions of it.
+
+    ``completion_cu_seqlens`` (``[G + 1]``) splits ``completions``; ``initial_state``
+    (``[1, HV, K, V]``) is the prompt's own starting state. Outputs and gradients equal those
+    of running each ``prompt + completion`` row separately.
+    """
+    prefix_out, prefix_state = chunk_gated_delta_rule(
+        *prefix,
+        initial_state=initial_state,
+        output_final_state=True,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        backend=backend,
+    )
+    n_completions = completion_cu_seqlens.numel() - 1
+    fanned = prefix_state.expand(n_completions, -1, -1, -1).contiguous()
+    completion_out, final = chunk_gated_delta_rule(
+        *completions,
+        cu_seqlens=completion_cu_seqlens,
+        initial_state=fanned,
+        output_final_state=output_final_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        backend=backend,
+    )
+    return SharedPrefixOutput(prefix_out, completion_out, final)

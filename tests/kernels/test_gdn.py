@@ -1,0 +1,177 @@
+"""Chunked Gated DeltaNet (forward and backward) against the float64 token recurrence."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_support.kernels import chunk_gated_delta_rule, cu_seqlens_from_position_ids
+from model_support.kernels.reference import recurrent_gated_delta_rule
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _inputs(
+    total: int, heads: int, v_heads: int, k_dim: int, v_dim: int, n_seq: int, dtype: torch.dtype, seed: int
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k = randn(1, total, heads, k_dim), randn(1, total, heads, k_dim)
+    v = randn(1, total, v_heads, v_dim)
+    g = F.logsigmoid(randn(1, total, v_heads) + 3.0)  # decays in (0, 1), mostly near 1
+    beta = torch.rand(1, total, v_heads, generator=gen, dtype=torch.float64)
+    h0 = randn(n_seq, v_heads, k_dim, v_dim) * 0.5
+    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+def _loss_weights(o: torch.Tensor, s: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (
+        torch.randn(o.shape, generator=gen, dtype=torch.float64),
+        torch.randn(s.shape, generator=gen, dtype=torch.float64),
+    )
+
+
+CASES = [
+    # lengths, pad, H, HV, K, V, l2norm
+    ([1, 64, 70, 130], 5, 2, 4, 16, 8, True),  # length-1, exactly one chunk, ragged, trailing padding
+    ([200], 0, 1, 1, 32, 16, False),
+    ([1, 1, 1], 0, 2, 2, 8, 8, True),
+    ([63, 65], 3, 3, 3, 16, 32, False),
+]
+
+
+@pytest.mark.parametrize(("lengths", "pad", "heads", "v_heads", "k_dim", "v_dim", "l2"), CASES)
+def test_float64_forward_and_backward_match_recurrence(
+    lengths: list[int], pad: int, heads: int, v_heads: int, k_dim: int, v_dim: int, l2: bool
+) -> None:
+    seed = sum(lengths) + k_dim
+    xs = _inputs(sum(lengths) + pad, heads, v_heads, k_dim, v_dim, len(lengths), torch.float64, seed)
+    cu = _cu(lengths)
+    o, s = chunk_gated_delta_rule(
+        *xs[:5], cu_seqlens=cu, initial_state=xs[5], output_final_state=True, use_qk_l2norm=l2
+    )
+    ref_o, ref_s = recurrent_gated_delta_rule(*xs[:5], cu_seqlens=cu, initial_state=xs[5], use_qk_l2norm=l2)
+    assert _rel(o, ref_o) < 1e-10
+    assert _rel(s, ref_s) < 1e-10
+    if pad:
+        assert torch.count_nonzero(o[0, -pad:]) == 0
+
+    w_o, w_s = _loss_weights(o, s, seed)
+    grads = torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), xs)
+    ref_grads = torch.autograd.grad((ref_o * w_o).sum() + (ref_s * w_s).sum(), xs)
+    for name, got, want in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref_grads, strict=True):
+        assert _rel(got, want) < 1e-9, name
+    if pad:
+        for got in grads[:5]:
+            assert torch.count_nonzero(got[0, -pad:]) == 0
+
+
+def test_float32_close_to_float64_reference() -> None:
+    lengths = [100, 37]
+    xs = _inputs(sum(lengths), 2, 2, 32, 32, 2, torch.float64, seed=7)
+    cu = _cu(lengths)
+    ref_o, ref_s = recurrent_gated_delta_rule(*xs[:5], cu_seqlens=cu, initial_state=xs[5], use_qk_l2norm=True)
+    x32 = [x.detach().float().requires_grad_() for x in xs]
+    o, s = chunk_gated_delta_rule(
+        *x32[:5], cu_seqlens=cu, initial_state=x32[5], output_final_state=True, use_qk_l2norm=True
+    )
+    assert o.dtype == torch.float32
+    assert _rel(o, ref_o) < 1e-5
+    assert _rel(s, ref_s) < 1e-5
+    w_o, w_s = _loss_weights(o, s, 7)
+    grads = torch.autograd.grad((o * w_o.float()).sum() + (s * w_s.float()).sum(), x32)
+    ref_grads = torch.autograd.grad((ref_o * w_o).sum() + (ref_s * w_s).sum(), xs)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert _rel(got, want) < 1e-4
+
+
+def test_bfloat16_inputs_keep_dtype_and_stay_close() -> None:
+    xs = _inputs(96, 2, 2, 16, 16, 1, torch.float64, seed=3)
+    ref_o, _ = recurrent_gated_delta_rule(*xs[:5], cu_seqlens=_cu([96]), use_qk_l2norm=True)
+    o, state = chunk_gated_delta_rule(*(x.detach().bfloat16() for x in xs[:5]), use_qk_l2norm=True)
+    assert o.dtype == torch.bfloat16
+    assert state is None
+    assert _rel(o, ref_o) < 2e-2
+
+
+def test_batched_equals_packed_and_position_ids_drive_varlen() -> None:
+    xs = [x.detach() for x in _inputs(2 * 80, 2, 2, 16, 16, 2, torch.float64, seed=11)]
+    packed_o, packed_s = chunk_gated_delta_rule(
+        *xs[:5], cu_seqlens=_cu([80, 80]), initial_state=xs[5], output_final_state=True
+    )
+    batched = [x.reshape(2, 80, *x.shape[2:]) for x in xs[:5]]
+    o, s = chunk_gated_delta_rule(*batched, initial_state=xs[5], output_final_state=True)
+    assert _rel(o.reshape(packed_o.shape), packed_o) < 1e-12
+    assert _rel(s, packed_s) < 1e-12
+
+    position_ids = torch.cat([torch.arange(80), torch.arange(80)])[None]
+    o_pos, _ = chunk_gated_delta_rule(
+        *xs[:5], cu_seqlens=cu_seqlens_from_position_ids(position_ids), initial_state=xs[5]
+    )
+    assert torch.equal(o_pos, packed_o)
+
+
+def test_invalid_arguments_are_refused() -> None:
+    xs = [x.detach() for x in _inputs(8, 2, 3, 8, 8, 1, torch.float64, seed=0)]
+    with pytest.raises(ValueError, match="multiple"):
+        chunk_gated_delta_rule(*xs[:5])
+    ys = [x.detach() for x in _inputs(8, 2, 2, 8, 8, 1, torch.float64, seed=0)]
+    with pytest.raises(ValueError, match="batch size 1"):
+        chunk_gated_delta_rule(*(x.reshape(2, 4, *x.shape[2:]) for x in ys[:5]), cu_seqlens=_cu([4, 4]))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        chunk_gated_delta_rule(ys[0], ys[1][:, :4], *ys[2:5])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_recurrence_matches_torch_loop_in_interpreter() -> None:
+    """Our Triton kernels, run by Triton's CPU interpreter, against the torch loop."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from model_support.kernels import _triton_recurrence as tr
+        from model_support.kernels._recurrence import ChunkSchedule, _loop_backward, _loop_forward
+
+        gen = torch.Generator().manual_seed(0)
+        counts, heads, chunk, k_dim, v_dim = [3, 1, 0, 2], 2, 64, 16, 32
+        n = sum(counts)
+        sched = ChunkSchedule.build(counts, torch.device("cpu"))
+        def r(*s, scale=1.0):
+            return torch.randn(*s, generator=gen) * scale
+        u, w, kd = r(n, heads, chunk, v_dim), r(n, heads, chunk, k_dim, scale=0.1), r(n, heads, chunk, k_dim, scale=0.1)
+        gamma, s0 = torch.rand(n, heads, generator=gen), r(len(counts), heads, k_dim, v_dim)
+        worst = 0.0
+        for got, want in zip(tr.forward(u, w, kd, gamma, s0, sched.offsets), _loop_forward(u, w, kd, gamma, s0, sched)):
+            worst = max(worst, float((got - want).norm() / want.norm()))
+        dd, dss, dsf = r(n, heads, chunk, v_dim), r(n, heads, k_dim, v_dim), r(len(counts), heads, k_dim, v_dim)
+        got_all = tr.backward(w, kd, gamma, dd, dss, dsf, sched.offsets)
+        for got, want in zip(got_all, _loop_backward(w, kd, gamma, dd, dss, dsf, sched)):
+            worst = max(worst, float((got - want).norm() / want.norm()))
+        print(worst)
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
