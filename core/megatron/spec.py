@@ -1,0 +1,104 @@
+"""Local (transformer-engine free) layer specs that run on CPU and GPU alike.
+
+Two local-spec modules of megatron-core do not fit: ``DotProductAttention`` takes its score buffer from
+a CUDA-only global memory buffer, and ``WrappedTorchNorm`` refuses zero-centred gamma (Qwen3.5's norms).
+:class:`SDPAttention` and :class:`ZeroCenteredRMSNorm` replace them; everything else is megatron-core's
+own local spec (ColumnParallelLinear / RowParallelLinear, SelfAttention with q/k norm and output gate,
+MoE SequentialMLP).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm computing ``norm(x) * (1 + weight)`` in fp32."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through ``torch.nn.functional.scaled_dot_product_attention`` (megatron layout).
+
+    ``attention_mask`` (boolean, True = masked, broadcastable to [B, H, S, S]) is honoured when given,
+    e.g. the block-diagonal mask of a packed row; without it attention is causal.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **kwargs: Any):
+        super().__init__(config)
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
+        # [S, B, H, D] -> [B, H, S, D]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.heads > self.groups:
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def _base_layer(config: Any) -> ModuleSpec:
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if config.layernorm_zero_centered_gamma:
+        spec.submodules.input_layernorm = ZeroCenteredRMSNorm
+        spec.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        if config.qk_layernorm:
+            spec.submodules.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    return spec
+
+
+def gpt_layer_spec(config: Any) -> ModuleSpec:
+    """One local-spec decoder layer for a homogeneous GPT (Qwen3, Qwen3-MoE)."""
+    return _base_layer(config)
+
+
+def hybrid_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """Per-layer local specs: Gated DeltaNet or full attention by the bridge's linear-attention pattern."""
+    from model_support.core.megatron.gdn import LocalGatedDeltaNet
+
+    base = _base_layer(config)
+    layers = []
+    for kind in get_linear_attention_pattern(config):
+        spec = copy.deepcopy(base)
+        if kind == 1:
+            spec.submodules.self_attention = ModuleSpec(module=LocalGatedDeltaNet)
+        layers.append(spec)
+    norm = ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else base.submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
