@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from model_support.core.cli import app
 from model_support.plugins.reference_docs import PAGES, _tolerances, cli_page, handlers_page, stages_page
 from model_support.validation.stage import Stage
-from tests.helpers import pip_install_target
 
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
@@ -43,9 +42,9 @@ def test_pages_cover_every_registered_stage_handler_and_command():
     assert {"new-handler", "docs"} <= set(commands)
 
 
-def test_third_party_plugins_do_not_change_the_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_third_party_plugins_do_not_change_the_pages(install_copy, monkeypatch: pytest.MonkeyPatch):
     before = stages_page()
-    monkeypatch.syspath_prepend(str(pip_install_target(EXTRA_STAGE, tmp_path / "site")))
+    monkeypatch.syspath_prepend(str(install_copy(EXTRA_STAGE)[1]))
     assert stages_page() == before and "chat_turn" not in before
 
 

@@ -10,14 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import pip_install_target, run_cli
+from tests.helpers import run_cli
 
 LLAMA_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-llama"
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pip_install_target(LLAMA_PLUGIN, tmp_path_factory.mktemp("site"))
+def installed(install_copy) -> tuple[Path, Path]:
+    """(a copy of the plugin's source tree, the directory pip installed it into)."""
+    return install_copy(LLAMA_PLUGIN)
+
+
+@pytest.fixture(scope="module")
+def site(installed: tuple[Path, Path]) -> Path:
+    return installed[1]
 
 
 def test_llama_is_listed_from_its_own_distribution(site: Path):
@@ -52,10 +58,11 @@ def test_check_tiny_runs_every_stage_on_llama(site: Path, tmp_path: Path):
     assert all(r["summary"].strip() for r in report["results"])
 
 
-def test_the_plugins_own_tests_pass(site: Path):
+def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
+    source, site = installed
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
-        cwd=LLAMA_PLUGIN, capture_output=True, text=True, timeout=600,
+        cwd=source, capture_output=True, text=True, timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(site)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -14,7 +14,6 @@ import pytest
 from model_support.core.registry import load_registry
 from model_support.handlers.configs import CONFIGS
 from model_support.validation.runner import plan
-from tests.helpers import pip_install_target
 
 EXTRA_STAGE = Path(__file__).parent / "fixtures" / "ms-extra-stage"
 
@@ -63,9 +62,9 @@ def junit_cases(path: Path) -> dict[str, ET.Element]:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def site(install_copy) -> Path:
     """A third-party plugin that adds the stage `chat_turn` (requires architecture), pip-installed."""
-    return pip_install_target(EXTRA_STAGE, tmp_path_factory.mktemp("site"))
+    return install_copy(EXTRA_STAGE)[1]
 
 
 @pytest.fixture(scope="module")
