@@ -149,3 +149,16 @@ def test_an_already_claimed_architecture_is_a_warning(tmp_path: Path):
     assert result.exit_code == 0, result.output
     assert "warning: Qwen3ForCausalLM is already claimed by handler 'qwen3' (model-support 0.1.0)" in result.stderr
     assert (tmp_path / "model-support-my-qwen3" / "src" / "model_support_my_qwen3" / "handler.py").is_file()
+
+
+def test_interactive_prompts_offer_what_the_config_says(tmp_path: Path):
+    # 15 prompts; answer the first (handler name) and accept the config-derived default for the rest.
+    result = CliRunner().invoke(
+        app, ["new-handler", "-c", str(QWEN2_CONFIG), "-o", str(tmp_path)], input="my-q2\n" + "\n" * 14
+    )
+    assert result.exit_code == 0, result.output
+    for prompt in ("handler_name (qwen2)", "architecture (Qwen2ForCausalLM)", "transformers_floor (4.40.1)"):
+        assert prompt in result.output
+    assert "package_name (model_support_my_q2)" in result.output
+    handler = load_handler(tmp_path / "model-support-my-q2")
+    assert (handler.name, handler.architectures, handler.topology) == ("my-q2", ("Qwen2ForCausalLM",), Topology.DENSE)

@@ -148,9 +148,15 @@ def test_stage_outcomes_and_failure_reports(author_project: Path, site: Path, tm
     assert qwen3["results"][2]["metrics"]["tokens"] > 0
 
 
-def test_a_stage_test_without_a_target_is_a_usage_error(tmp_path: Path, site: Path):
+def test_targets_come_from_the_marker_or_the_ini_option(tmp_path: Path, site: Path):
     (tmp_path / "test_no_target.py").write_text("def test_stage(model_support_stage):\n    pass\n")
     result = run_pytest(tmp_path, site=site)
     assert result.returncode == 2
     assert "test_no_target.py::test_stage uses model_support_stage but names no target: mark it with" in result.stdout
     assert "Traceback" not in result.stdout
+    # The ini option names the targets instead of a marker.
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmodel_support_targets =\n    qwen3\n    qwen3-moe\n")
+    collected = run_pytest(tmp_path, "--collect-only", "--model-support-stage", "architecture", site=site)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    ids = [line.split("::")[1] for line in collected.stdout.splitlines() if "::test_stage[" in line]
+    assert ids == [f"test_stage[{t}-{s}]" for t in ("qwen3", "qwen3-moe") for s in ("dependencies", "architecture")]
