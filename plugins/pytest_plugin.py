@@ -157,7 +157,9 @@ class Harness:
         if request not in self.runs:
             index = len(self.runs)
             try:
-                report = run_check(request, tmp.mktemp(f"model-support-{request.label}"), self._for(request))
+                # A request with its own preferences builds its own registry.
+                registry = None if request.prefer else self.registry
+                report = run_check(request, tmp.mktemp(f"model-support-{request.label}"), registry)
             except ModelSupportError as exc:
                 self.runs[request] = f"model-support cannot check {request.target!r}: {exc}"
             else:
@@ -165,16 +167,12 @@ class Harness:
                 if self.reports_dir is not None:
                     from model_support.validation.report import write_reports
 
-                    stem = self.reports_dir / f"{request.label}-{index}"
-                    write_reports(report, stem.with_suffix(".json"), stem.with_suffix(".md"), None)
+                    stem = f"{request.label}-{index}"
+                    write_reports(report, self.reports_dir / f"{stem}.json", self.reports_dir / f"{stem}.md", None)
         outcome = self.runs[request]
         if isinstance(outcome, str):
             pytest.fail(outcome, pytrace=False)
         return outcome
-
-    def _for(self, request: CheckRequest) -> Registry | None:
-        """The shared registry, unless the request carries its own preferences."""
-        return None if request.prefer else self.registry
 
     def failure_message(self, report: Report) -> str:
         return report_text(report, self.registry.problems)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-MOE_CONFIG = Path(__file__).with_name("moe-qwen3") / "config.json"
+MOE_CONFIG = Path(__file__).with_name("moe.qwen3") / "config.json"
 
 
 def test_check_passes(model_support_check):
@@ -74,8 +74,8 @@ def author_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (project / "test_author.py").write_text(AUTHOR_TESTS)
     config = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
     config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
-    (project / "moe-qwen3").mkdir()
-    (project / "moe-qwen3" / "config.json").write_text(json.dumps(config))
+    (project / "moe.qwen3").mkdir()
+    (project / "moe.qwen3" / "config.json").write_text(json.dumps(config))
     return project
 
 
@@ -90,7 +90,7 @@ def test_one_test_per_registered_stage_per_target_including_third_party_stages(
     monkeypatch.syspath_prepend(str(site))
     stages = [s.name for s in plan([s.stage for s in load_registry().stages])]
     assert set(stages) == builtin | {"chat_turn"}
-    assert collected == [f"test_stage[{label}-{stage}]" for label in ("qwen3", "moe-qwen3") for stage in stages]
+    assert collected == [f"test_stage[{label}-{stage}]" for label in ("qwen3", "moe.qwen3") for stage in stages]
 
 
 def test_stage_outcomes_and_failure_reports(author_project: Path, site: Path, tmp_path: Path):
@@ -120,26 +120,26 @@ def test_stage_outcomes_and_failure_reports(author_project: Path, site: Path, tm
         "test_stage[qwen3-dependencies]": "pass",
         "test_stage[qwen3-architecture]": "pass",
         "test_stage[qwen3-chat_turn]": "pass",
-        "test_stage[moe-qwen3-dependencies]": "pass",
-        "test_stage[moe-qwen3-architecture]": "failure",
-        "test_stage[moe-qwen3-chat_turn]": "skipped",
+        "test_stage[moe.qwen3-dependencies]": "pass",
+        "test_stage[moe.qwen3-architecture]": "failure",
+        "test_stage[moe.qwen3-chat_turn]": "skipped",
     }
     report = cases["test_check_fails_with_the_stage_report"].find("failure").text
     assert "model-support stage(s) failed: architecture" in report
     assert "handler declares dense but the config has 4 experts" in report
     assert "experts=4" in report and "chat_turn" in report
     assert "requires stage 'architecture', which failed" in report
-    stage_failure = cases["test_stage[moe-qwen3-architecture]"].find("failure").text
+    stage_failure = cases["test_stage[moe.qwen3-architecture]"].find("failure").text
     assert stage_failure.startswith("stage architecture failed: handler declares dense but the config has 4 experts")
-    skipped = cases["test_stage[moe-qwen3-chat_turn]"].find("skipped").get("message")
+    skipped = cases["test_stage[moe.qwen3-chat_turn]"].find("skipped").get("message")
     assert "chat_turn: requires stage 'architecture', which failed" in skipped
     unknown = cases["test_check_of_an_unknown_target_fails_with_the_error"].find("failure").text
     assert unknown.startswith("model-support cannot check 'no-such-family': ")
     assert unknown.endswith("is neither a directory, a config.json, nor a hub id (org/name)")
     # One run per target, shared by every test that asks for it (the unknown target has no report).
     assert sorted(p.name for p in reports.iterdir()) == [
-        "moe-qwen3-1.json",
-        "moe-qwen3-1.md",
+        "moe.qwen3-1.json",
+        "moe.qwen3-1.md",
         "qwen3-0.json",
         "qwen3-0.md",
     ]
