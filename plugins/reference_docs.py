@@ -173,8 +173,8 @@ def stages_page() -> str:
         "`model_support_stages` hook, and `model-support stages` lists what is installed.",
         "",
         "Tolerances listed below are the ones a stage declares: a class attribute or module constant whose",
-        "name contains `threshold` or `tolerance` (a number, or a dict of metric -> limit as passed to",
-        "`Stage.judge`). Each stage's own documentation follows its summary.",
+        "name contains `threshold` or `tolerance` or ends in `_tol` (a number, or a dict of metric -> limit",
+        "as passed to `Stage.judge`). Each stage's own documentation follows its summary.",
         "",
     ]
     rows = [(s.order, f"[`{s.name}`](#{s.name})", ", ".join(s.requires) or "-", s.title) for s in stages]
