@@ -10,7 +10,9 @@ forward) against the float64 token recurrence, then times, in one process:
 
 * packed: 16 sequences x 2048 tokens, 16 heads x 128, bf16 — our fwd+bwd vs fla fwd-only
   and vs transformers' ``torch_chunk_gated_delta_rule`` (batched: all lengths are equal,
-  which is the reference's most favourable case);
+  which is the reference's most favourable case). Newer transformers route that function to
+  fla when fla is importable, so the reference is timed in a child process that cannot
+  import fla (``--reference-only``);
 * shared prefix: G=8 completions of C=512 tokens over a P=2048 prompt, fwd+bwd, shared vs
   naive packing (G rows of P + C), against the ideal ratio (P + G*C) / (G*(P + C)).
 
@@ -20,9 +22,14 @@ Each time is the median of ``triton.testing.do_bench``; ratios come from this on
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +59,7 @@ def cu_from_lengths(lengths: list[int]) -> torch.Tensor:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def correctness() -> dict[str, float]:
@@ -92,28 +99,55 @@ def bench(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=100, rep=500, return_mode="median"))
 
 
-def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
+N_SEQ, SEQ_LEN, HEADS, DIM = 16, 2048, 16, 128
+
+
+def reference_times() -> dict[str, float]:
+    """Time transformers' torch reference; only in a process where fla cannot be imported."""
+    if importlib.util.find_spec("fla") is not None:
+        raise RuntimeError("fla is importable: transformers would route its torch reference to fla")
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    n_seq, seq_len, heads, dim = 16, 2048, 16, 128
-    cu = cu_from_lengths([seq_len] * n_seq)
-    x = make_inputs(n_seq * seq_len, heads, dim, torch.bfloat16, seed=1, grad=True)
-    leaves = list(x)
-    batched = [t.detach().reshape(n_seq, seq_len, *t.shape[2:]).requires_grad_() for t in x]
-
-    def ours(backend: str) -> Callable[[], torch.Tensor]:
-        return lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu, use_qk_l2norm=True, backend=backend)[0]
+    x = make_inputs(N_SEQ * SEQ_LEN, HEADS, DIM, torch.bfloat16, seed=1, grad=True)
+    batched = [t.detach().reshape(N_SEQ, SEQ_LEN, *t.shape[2:]).requires_grad_() for t in x]
 
     def reference() -> torch.Tensor:
         return torch_chunk_gated_delta_rule(*batched, use_qk_l2norm_in_kernel=True)[0]
 
     with torch.no_grad():
+        fwd = bench(reference)
+    return {"reference fwd": fwd, "reference fwd+bwd": bench(fwd_bwd(reference, batched))}
+
+
+def reference_times_in_child() -> dict[str, float]:
+    """Run ``--reference-only`` with fla's install folder removed from PYTHONPATH."""
+    import fla
+
+    fla_root = str(Path(fla.__file__).resolve().parents[1])
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and str(Path(p).resolve()) != fla_root]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    done = subprocess.run(
+        [sys.executable, __file__, "--reference-only"], env=env, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"reference child failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
+    n_seq, seq_len, heads, dim = N_SEQ, SEQ_LEN, HEADS, DIM
+    cu = cu_from_lengths([seq_len] * n_seq)
+    x = make_inputs(n_seq * seq_len, heads, dim, torch.bfloat16, seed=1, grad=True)
+    leaves = list(x)
+
+    def ours(backend: str) -> Callable[[], torch.Tensor]:
+        return lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu, use_qk_l2norm=True, backend=backend)[0]
+
+    with torch.no_grad():
         times["fla fwd"] = bench(ours("fla"))
         times["chunked-triton fwd"] = bench(ours("chunked-triton"))
-        times["reference fwd"] = bench(reference)
     times["chunked-triton fwd+bwd"] = bench(fwd_bwd(ours("chunked-triton"), leaves))
     times["torch-chunked fwd+bwd"] = bench(fwd_bwd(ours("torch-chunked"), leaves))
-    times["reference fwd+bwd"] = bench(fwd_bwd(reference, batched))
     torch.backends.cuda.matmul.allow_tf32 = True
     times["chunked-triton fwd+bwd (tf32 matmuls)"] = bench(fwd_bwd(ours("chunked-triton"), leaves))
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -161,7 +195,11 @@ def shared_prefix_benchmark(times: dict[str, float]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write all numbers as JSON here")
+    parser.add_argument("--reference-only", action="store_true", help="time the torch reference, print JSON")
     args = parser.parse_args()
+    if args.reference_only:
+        print(json.dumps(reference_times()))
+        return
 
     import fla
 
@@ -184,6 +222,8 @@ def main() -> None:
 
     times: dict[str, float] = {}
     notes: dict[str, str] = {}
+    times.update(reference_times_in_child())
+    print(f"reference timed in a child without fla: {times}", flush=True)
     packed_benchmark(times, notes)
     shared_ratio, ideal = shared_prefix_benchmark(times)
 
