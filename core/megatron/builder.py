@@ -211,9 +211,8 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
 
 def _load_weights(built: MegatronModel) -> None:
     """Fill every parameter from the checkpoint with the bridge's mapping; fail on anything unmapped."""
-    from megatron.bridge.models.conversion.utils import get_module_and_param_from_name
-
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron.bridge.models.conversion.utils import get_module_and_param_from_name
 
     # How megatron-bridge shards parameters of our local modules under tensor parallelism.
     AutoMapping.register_module_type("LocalGatedDeltaNet", "column")
