@@ -14,6 +14,8 @@ index (all sequences of the batch advance together) or through the Triton kernel
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -26,28 +28,32 @@ class ChunkSchedule:
     """Where each sequence's chunks sit in the flat chunk list.
 
     ``offsets`` (device, int64 ``[S + 1]``): chunks ``offsets[s]:offsets[s + 1]`` belong to
-    sequence ``s``. ``steps[j]`` holds, for the torch loop, the sequences that have a
-    ``j``-th chunk (``None`` when all do) and the flat indices of those chunks.
+    sequence ``s``; ``counts`` holds the same on the host. ``steps`` is built on first use.
     """
 
     offsets: torch.Tensor
-    steps: tuple[tuple[torch.Tensor | None, torch.Tensor], ...]
+    counts: tuple[int, ...]
 
     @classmethod
     def build(cls, chunk_counts: list[int], device: torch.device) -> ChunkSchedule:
-        starts = [0]
-        for n in chunk_counts:
-            starts.append(starts[-1] + n)
-        offsets = torch.tensor(starts, dtype=torch.long, device=device)
+        starts = [0, *itertools.accumulate(chunk_counts)]
+        return cls(offsets=torch.tensor(starts, dtype=torch.long, device=device), counts=tuple(chunk_counts))
+
+    @functools.cached_property
+    def steps(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor], ...]:
+        """For the torch loop: per chunk index ``j``, the sequences that have a ``j``-th chunk
+        (``None`` when all do) and the flat indices of those chunks."""
+        device = self.offsets.device
+        starts = [0, *itertools.accumulate(self.counts)]
         steps = []
-        for j in range(max(chunk_counts, default=0)):
-            active = [s for s, n in enumerate(chunk_counts) if n > j]
+        for j in range(max(self.counts, default=0)):
+            active = [s for s, n in enumerate(self.counts) if n > j]
             chunks = torch.tensor([starts[s] + j for s in active], dtype=torch.long, device=device)
-            if len(active) == len(chunk_counts):
+            if len(active) == len(self.counts):
                 steps.append((None, chunks))
             else:
                 steps.append((torch.tensor(active, dtype=torch.long, device=device), chunks))
-        return cls(offsets=offsets, steps=tuple(steps))
+        return tuple(steps)
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

@@ -3,8 +3,11 @@
 One program owns one sequence, one head and ``BV`` value columns of the ``[K, V]`` state,
 keeps that slice of the state in registers and walks the sequence's chunks in order
 (backward: in reverse). Value columns never interact in this recurrence, so the split over
-``V`` needs no communication. Dots run in full float32 (``ieee``): the state is carried
-over many chunks and tf32 rounding would accumulate.
+``V`` needs no communication. Dots run as ``tf32x3`` (three tensor-core passes, float32
+accuracy: the state is carried over many chunks and plain tf32 rounding would accumulate);
+on the H100 that measured about 2x faster than ``ieee`` and as fast as plain ``tf32``
+(``benchmarks/gdn_profile.py``). One pipeline stage: deeper software pipelining of the
+``[C, K]`` float32 tiles needs more shared memory than a program should hold.
 
 Imported only when that path is taken, so CPU-only installs never import Triton.
 """
@@ -15,13 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["backward", "forward"]
+__all__ = ["BLOCK_V", "DOT_PRECISION", "NUM_STAGES", "NUM_WARPS", "backward", "forward"]
+
+DOT_PRECISION = "tf32x3"
+BLOCK_V = 32
+NUM_WARPS = 4
+NUM_STAGES = 1
 
 
 @triton.jit
 def _forward_kernel(
     u, w, kd, gamma, s0, d, s_start, s_final, offsets,
     H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -39,10 +48,12 @@ def _forward_kernel(
     for c in range(first, last):
         base = c * H + i_h  # int64: the bounds are loaded from int64 offsets
         tl.store(s_start + base * K * V + kv, state)
-        delta = tl.load(u + base * C * V + cv) - tl.dot(tl.load(w + base * C * K + ck), state, input_precision="ieee")
+        delta = tl.load(u + base * C * V + cv) - tl.dot(
+            tl.load(w + base * C * K + ck), state, input_precision=PRECISION
+        )
         tl.store(d + base * C * V + cv, delta)
         decayed_k = tl.load(kd + base * C * K + ck)
-        state = tl.load(gamma + base) * state + tl.dot(tl.trans(decayed_k), delta, input_precision="ieee")
+        state = tl.load(gamma + base) * state + tl.dot(tl.trans(decayed_k), delta, input_precision=PRECISION)
     tl.store(s_final + seq_head * K * V + kv, state)
 
 
@@ -50,6 +61,7 @@ def _forward_kernel(
 def _backward_kernel(
     w, kd, gamma, dd, ds_start, ds_final, dd_total, ds_next, ds0, offsets,
     H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -68,19 +80,19 @@ def _backward_kernel(
         base = (last - 1 - i) * H + i_h
         tl.store(ds_next + base * K * V + kv, grad_state)
         decayed_k = tl.load(kd + base * C * K + ck)
-        grad_delta = tl.load(dd + base * C * V + cv) + tl.dot(decayed_k, grad_state, input_precision="ieee")
+        grad_delta = tl.load(dd + base * C * V + cv) + tl.dot(decayed_k, grad_state, input_precision=PRECISION)
         tl.store(dd_total + base * C * V + cv, grad_delta)
         w_c = tl.load(w + base * C * K + ck)
         grad_state = (
             tl.load(gamma + base) * grad_state
-            - tl.dot(tl.trans(w_c), grad_delta, input_precision="ieee")
+            - tl.dot(tl.trans(w_c), grad_delta, input_precision=PRECISION)
             + tl.load(ds_start + base * K * V + kv)
         )
     tl.store(ds0 + seq_head * K * V + kv, grad_state)
 
 
 def _grid(n_seq: int, heads: int, v_dim: int) -> tuple[tuple[int, int, int], int]:
-    block_v = min(32, v_dim)
+    block_v = min(BLOCK_V, v_dim)
     return (n_seq, heads, v_dim // block_v), block_v
 
 
@@ -95,7 +107,23 @@ def forward(
     s_final = torch.empty_like(s0)
     grid, block_v = _grid(s0.shape[0], heads, v_dim)
     _forward_kernel[grid](
-        u, w, kd, gamma, s0, d, s_start, s_final, offsets, H=heads, C=chunk, K=k_dim, V=v_dim, BV=block_v
+        u,
+        w,
+        kd,
+        gamma,
+        s0,
+        d,
+        s_start,
+        s_final,
+        offsets,
+        H=heads,
+        C=chunk,
+        K=k_dim,
+        V=v_dim,
+        BV=block_v,
+        PRECISION=DOT_PRECISION,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return d, s_start, s_final
 
@@ -118,6 +146,7 @@ def backward(
     grid, block_v = _grid(ds_final.shape[0], heads, v_dim)
     _backward_kernel[grid](
         w, kd, gamma, dd, ds_start, ds_final, dd_total, ds_next, ds0, offsets,
-        H=heads, C=chunk, K=k_dim, V=v_dim, BV=block_v,
+        H=heads, C=chunk, K=k_dim, V=v_dim, BV=block_v, PRECISION=DOT_PRECISION,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return dd_total, ds_next, ds0

@@ -34,14 +34,15 @@ CHUNK_SIZE = 64
 
 @dataclass(frozen=True)
 class _ChunkLayout:
-    """Where each real packed token lands in the flat ``[n_chunks * C]`` chunk buffer."""
+    """Where each real packed (token, head) lands in the contiguous ``[n_chunks, H, C]`` grid."""
 
-    dest: torch.Tensor
+    dest: torch.Tensor  # [n_valid * H] flat index into [n_chunks * H * C]
     n_chunks: int
+    heads: int
     schedule: ChunkSchedule
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, chunk: int) -> _ChunkLayout:
+    def build(cls, cu_seqlens: torch.Tensor, heads: int, chunk: int) -> _ChunkLayout:
         cu = cu_seqlens.long()
         lengths = (cu[1:] - cu[:-1]).tolist()
         if any(n < 0 for n in lengths):
@@ -51,20 +52,23 @@ class _ChunkLayout:
         seq = torch.repeat_interleave(
             torch.arange(len(lengths), device=cu.device), torch.tensor(lengths, device=cu.device)
         )
-        token = torch.arange(seq.numel(), device=cu.device)
-        dest = schedule.offsets[seq] * chunk + (token - cu[seq])
-        return cls(dest=dest, n_chunks=sum(counts), schedule=schedule)
+        offset = torch.arange(seq.numel(), device=cu.device) - cu[seq]
+        chunk_id = schedule.offsets[seq] + offset // chunk
+        head = torch.arange(heads, device=cu.device)
+        dest = ((chunk_id[:, None] * heads + head) * chunk + (offset % chunk)[:, None]).reshape(-1)
+        return cls(dest=dest, n_chunks=sum(counts), heads=heads, schedule=schedule)
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H, ...]`` packed -> ``[n_chunks, H, C, ...]`` (zeros where no token sits)."""
-        n_valid = self.dest.numel()
-        buf = x.new_zeros(self.n_chunks * CHUNK_SIZE, *x.shape[1:]).index_copy(0, self.dest, x[:n_valid])
-        return buf.view(self.n_chunks, CHUNK_SIZE, *x.shape[1:]).movedim(1, 2)
+        """Packed ``[T, H, *D]`` -> contiguous ``[n_chunks, H, C, *D]``, zeros where no token sits."""
+        tail = x.shape[2:]
+        n_valid = self.dest.numel() // self.heads
+        flat = x[:n_valid].reshape(-1, *tail)
+        buf = x.new_zeros(self.n_chunks * self.heads * CHUNK_SIZE, *tail).index_copy(0, self.dest, flat)
+        return buf.view(self.n_chunks, self.heads, CHUNK_SIZE, *tail)
 
     def from_chunks(self, x: torch.Tensor, total: int) -> torch.Tensor:
         """``[n_chunks, H, C, D]`` -> packed ``[total, H, D]``, zeros after the real tokens."""
-        flat = x.movedim(2, 1).reshape(self.n_chunks * CHUNK_SIZE, *x.shape[1:2], *x.shape[3:])
-        out = flat.index_select(0, self.dest)
+        out = x.reshape(-1, x.shape[-1]).index_select(0, self.dest).view(-1, self.heads, x.shape[-1])
         pad = total - out.shape[0]
         return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
 
@@ -93,19 +97,20 @@ def _chunked(
         q = q.repeat_interleave(v_heads // heads, dim=1)
         k = k.repeat_interleave(v_heads // heads, dim=1)
 
-    layout = _ChunkLayout.build(cu_seqlens, CHUNK_SIZE)
+    layout = _ChunkLayout.build(cu_seqlens, v_heads, CHUNK_SIZE)
     q, k, v, g, beta = (layout.to_chunks(x) for x in (q, k, v, g, beta))
     cum = g.cumsum(-1)  # [Nc, HV, C]
     causal = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
 
-    # WY representation: solve (I + A) [u | w] = beta * [V | exp(G) K]; A has a zero diagonal
-    # and unitriangular=True reads it as I + A.
+    # WY representation: u = (I + A)^-1 beta V, w = (I + A)^-1 beta exp(G) K. A has a zero
+    # diagonal, which unitriangular=True reads as I + A; inverting once (C columns) and
+    # multiplying is cheaper than a triangular solve with K + V columns.
     a = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
-    rhs = torch.cat([v * beta[..., None], k * (beta * cum.exp())[..., None]], dim=-1)
-    u, w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], dim=-1
-    )
+    eye = torch.eye(CHUNK_SIZE, dtype=a.dtype, device=a.device)
+    inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True) * beta[..., None, :]
+    u = inverse @ v
+    w = inverse @ (k * cum.exp()[..., None])
     last = cum[..., -1]  # padding slots have g = 0, so this is the decay of the real tokens
     kd = k * (last[..., None] - cum).exp()[..., None]
 
