@@ -1,10 +1,17 @@
 """Qwen3 dense and Qwen3 MoE."""
 
 from model_support.core import targets
+from model_support.core.codecs import QwenLoraCodec
 from model_support.core.spec import DependencyFloor, HandlerSpec, Topology, VllmLora
 from model_support.handlers.configs import CONFIGS
 
 _TRANSFORMERS = DependencyFloor("transformers", "4.51.0", "first release with model_type qwen3 / qwen3_moe")
+# Megatron side: the bridge's Qwen3 / Qwen3-MoE mappings and the megatron-core it was built against.
+_MEGATRON = (
+    DependencyFloor("megatron-core", "0.19.2", "local-spec GPTModel the bridge targets", extra="megatron"),
+    DependencyFloor("megatron-bridge", "0.6.2", "Qwen3Bridge / Qwen3MoEBridge weight mappings", extra="megatron"),
+)
+_CODEC = QwenLoraCodec("qwen3")
 
 QWEN3 = HandlerSpec(
     name="qwen3",
@@ -14,7 +21,8 @@ QWEN3 = HandlerSpec(
     topology=Topology.DENSE,
     lora_targets=targets.ATTENTION + targets.DENSE_MLP,
     vllm_lora=VllmLora(native=True, reason="vLLM's Qwen3ForCausalLM implements SupportsLoRA"),
-    dependencies=(_TRANSFORMERS,),
+    codec=_CODEC,
+    dependencies=(_TRANSFORMERS, *_MEGATRON),
     reference_config=CONFIGS / "qwen3-0.6b.json",
 )
 
@@ -26,6 +34,7 @@ QWEN3_MOE = HandlerSpec(
     topology=Topology.MOE,
     lora_targets=targets.ATTENTION + targets.EXPERTS,
     vllm_lora=VllmLora(native=True, reason="vLLM's Qwen3MoeForCausalLM implements SupportsLoRA with fused-MoE LoRA"),
-    dependencies=(_TRANSFORMERS,),
+    codec=_CODEC,
+    dependencies=(_TRANSFORMERS, *_MEGATRON),
     reference_config=CONFIGS / "qwen3-30b-a3b.json",
 )

@@ -1,12 +1,20 @@
 """Qwen3.5 dense and MoE: Gated DeltaNet / gated full-attention hybrids (3 GDN : 1 attention)."""
 
 from model_support.core import targets
+from model_support.core.codecs import QwenLoraCodec
 from model_support.core.spec import DependencyFloor, HandlerSpec, RuntimePolicy, Topology, VllmLora
 from model_support.handlers.configs import CONFIGS
 
 _TRANSFORMERS = DependencyFloor(
     "transformers", "5.8.0", "qwen3_5 / qwen3_5_moe modeling; the oldest release this project tests"
 )
+_MEGATRON = (
+    DependencyFloor("megatron-core", "0.19.2", "local-spec GPTModel the bridge targets", extra="megatron"),
+    DependencyFloor(
+        "megatron-bridge", "0.6.2", "Qwen35Bridge / Qwen35MoEBridge (GDN) weight mappings", extra="megatron"
+    ),
+)
+_CODEC = QwenLoraCodec("qwen3.5")
 # MTP heads are for speculative decoding; the trainer must not build or train them.
 _RUNTIME = RuntimePolicy(disable_mtp_for_training=True)
 _VLLM = VllmLora(
@@ -24,7 +32,8 @@ QWEN3_5 = HandlerSpec(
     linear_attention=True,
     lora_targets=targets.ATTENTION + targets.GATED_DELTANET + targets.DENSE_MLP,
     vllm_lora=_VLLM,
-    dependencies=(_TRANSFORMERS,),
+    codec=_CODEC,
+    dependencies=(_TRANSFORMERS, *_MEGATRON),
     runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.6-27b.json",
 )
@@ -38,7 +47,8 @@ QWEN3_5_MOE = HandlerSpec(
     linear_attention=True,
     lora_targets=targets.ATTENTION + targets.GATED_DELTANET + targets.EXPERTS + targets.SHARED_EXPERT,
     vllm_lora=_VLLM,
-    dependencies=(_TRANSFORMERS,),
+    codec=_CODEC,
+    dependencies=(_TRANSFORMERS, *_MEGATRON),
     runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.5-35b-a3b.json",
 )
