@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,13 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_parallel(tensor_parallel: int = 1, *, port: int = 29533) -> None:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_parallel(tensor_parallel: int = 1) -> None:
     """Initialise the process group (once) and Megatron's model-parallel groups for ``tensor_parallel``.
 
     A single process without a launcher gets a world of one. Under torchrun (or
@@ -23,7 +30,7 @@ def init_parallel(tensor_parallel: int = 1, *, port: int = 29533) -> None:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # a launcher sets it for multi-process runs
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,63 @@
+"""`model-support check <handler> --tiny` runs the Megatron stages for real and each passes with numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_support.validation.stage import Status
+from tests.conftest import HANDLER_NAMES
+
+pytestmark = pytest.mark.slow
+
+
+def _result(report, stage: str):
+    return {r.stage: r for r in report.results}[stage]
+
+
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_hf_parity(megatron_report, handler: str) -> None:
+    result = _result(megatron_report(handler), "hf_parity")
+    assert result.status is Status.PASS, result.summary
+    assert result.metrics["max_abs_err"] < 1e-4
+    assert result.metrics["rel_err"] < 1e-4
+    assert result.metrics["mapped_params"] > 10
+
+
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_lora_coverage(megatron_report, handler: str) -> None:
+    result = _result(megatron_report(handler), "lora_coverage")
+    assert result.status is Status.PASS, result.summary
+    m = result.metrics
+    assert m["missing_lora_modules"] == 0 and m["zero_grad_params"] == 0 and m["trainable_base_params"] == 0
+    assert m["codec_layout_err"] == 0.0
+    assert m["roundtrip_mismatches"] == 0
+    assert m["lora_params"] == 2 * m["lora_modules"]
+    # The adapter changes the output by far more than the tolerance it is matched within.
+    assert m["adapter_effect"] > 1e-2 > 1e-4 > m["adapter_logits_max_abs_err"]
+
+
+def test_lora_module_counts(megatron_report) -> None:
+    """Tiny replicas: 2 layers (Qwen3), 4 layers = 3 GDN + 1 attention (Qwen3.5); 4 experts."""
+    counts = {h: _result(megatron_report(h), "lora_coverage").metrics["lora_modules"] for h in HANDLER_NAMES}
+    assert counts == {"qwen3": 2 * 4, "qwen3-moe": 2 * (2 + 2 * 4), "qwen3.5": 2 + 6 + 8, "qwen3.5-moe": 2 + 6 + 32 + 8}
+
+
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_packed_position_ids(megatron_report, handler: str) -> None:
+    result = _result(megatron_report(handler), "packed_position_ids")
+    assert result.status is Status.PASS, result.summary
+    m = result.metrics
+    assert m["logits_max_abs_err"] < 1e-4 and m["grad_max_rel_err"] < 1e-4
+    assert m["leak_control_diff"] > 1e-3
+    if handler.startswith("qwen3.5"):
+        assert m["gdn_layers"] == 3 and m["attention_layers"] == 1
+
+
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_trainability(megatron_report, handler: str) -> None:
+    result = _result(megatron_report(handler), "trainability")
+    assert result.status is Status.PASS, result.summary
+    m = result.metrics
+    assert m["loss_ratio"] <= 0.5
+    assert m["base_max_abs_change"] == 0.0
+    assert m["final_accuracy"] == 1.0
