@@ -1,0 +1,70 @@
+"""Serving backends behind one small interface, collected from plugins.
+
+A plugin adds an engine (SGLang, Megatron Inference, ...) by returning objects with this shape from the
+``model_support_serving_backends`` hook; the project's own plugin returns :class:`VllmBackend`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from model_support.core.serving.errors import ServingError
+
+
+@runtime_checkable
+class Server(Protocol):
+    """A running OpenAI-compatible server for one model."""
+
+    served_name: str
+
+    @property
+    def pid(self) -> int: ...
+
+    def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]: ...
+
+    def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]: ...
+
+    def models(self) -> list[str]: ...
+
+    def load_lora(self, name: str, path: Path) -> None: ...
+
+    def reload_weights(self, weights_dir: Path) -> None: ...
+
+    def rename(self, name: str) -> None: ...
+
+    def root_cause(self) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+@runtime_checkable
+class ServingBackend(Protocol):
+    """Starts servers. ``unavailable_reason`` is ``None`` when the engine can run here."""
+
+    name: str
+
+    def unavailable_reason(self) -> str | None: ...
+
+    def version(self) -> str: ...
+
+    def serve(self, model_dir: Path, served_name: str, options: Any, log_path: Path) -> Server: ...
+
+
+def serving_backends(env: dict[str, str] | None = None) -> dict[str, ServingBackend]:
+    """Every backend the installed plugins provide, by name (the first plugin to claim a name wins)."""
+    from model_support.plugins.manager import load_plugins
+
+    found: dict[str, ServingBackend] = {}
+    for provided in load_plugins(env).manager.hook.model_support_serving_backends():
+        for backend in provided:
+            if isinstance(backend, ServingBackend):
+                found.setdefault(backend.name, backend)
+    return found
+
+
+def get_backend(name: str = "vllm", env: dict[str, str] | None = None) -> ServingBackend:
+    backends = serving_backends(env)
+    if name not in backends:
+        raise ServingError(f"no serving backend {name!r} (installed: {', '.join(sorted(backends)) or 'none'})")
+    return backends[name]

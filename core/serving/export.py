@@ -1,0 +1,181 @@
+"""Merged-weight export: base checkpoint + LoRA adapter -> a Hugging Face checkpoint vLLM can serve.
+
+Streaming: base tensors are read one at a time from the memory-mapped safetensors files, the adapter delta
+(``alpha / r * B @ A``, ``alpha / sqrt(r)`` under rsLoRA) is added to the tensor it belongs to, and tensors are
+written in shards of at most ``max_shard_bytes``; at most one shard and one tensor are in memory, never the
+model twice. Names stay the checkpoint's own (HF names).
+
+Atomic: everything is written to a hidden sibling directory and moved into place with one ``rename`` after the
+index (``model.safetensors.index.json``) is written, so a crash leaves either no export or a complete one; a
+leftover hidden directory is not an export (no index at the final path) and is removed on the next attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from model_support.core.serving.errors import ExportError
+
+INDEX = "model.safetensors.index.json"
+PEFT_PREFIX = "base_model.model."
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"{model_dir} has no safetensors checkpoint")
+    return files
+
+
+def base_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one at a time, in file order."""
+    from safetensors import safe_open
+
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, fh.get_tensor(name)
+
+
+def adapter_deltas(adapter_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """``{"<module>.weight": (A, B, scale)}`` from a PEFT LoRA adapter directory."""
+    from safetensors.torch import load_file
+
+    config_path, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    if not config_path.exists() or not weights.exists():
+        raise ExportError(
+            f"{adapter_dir} is not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors)"
+        )
+    config = json.loads(config_path.read_text())
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = load_file(str(weights))
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for key, lora_a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        lora_b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if lora_b is None:
+            raise ExportError(f"adapter {adapter_dir} has {key} but no matching lora_B")
+        out[f"{module}.weight"] = (lora_a, lora_b, scale)
+    return out
+
+
+def merged_tensors(model_dir: Path, adapter_dir: Path | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with the adapter merged in; fails if an adapter module is not in the checkpoint."""
+    deltas = adapter_deltas(adapter_dir) if adapter_dir is not None else {}
+    for name, tensor in base_tensors(model_dir):
+        if name in deltas:
+            lora_a, lora_b, scale = deltas.pop(name)
+            merged = tensor.float() + scale * (lora_b.float() @ lora_a.float())
+            tensor = merged.to(tensor.dtype)
+        yield name, tensor
+    if deltas:
+        raise ExportError(f"adapter modules not in the checkpoint {model_dir}: {', '.join(sorted(deltas)[:3])}")
+
+
+def buckets(tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Group a tensor stream into dicts of at most ``max_bytes`` (a larger tensor gets a bucket of its own)."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class CheckpointWriter:
+    """Writes shards into a hidden staging directory; :meth:`commit` publishes the complete checkpoint."""
+
+    def __init__(self, out_dir: Path, *, support_from: Path | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        if (self.out_dir / INDEX).exists() or (self.out_dir.exists() and any(self.out_dir.iterdir())):
+            raise ExportError(f"{self.out_dir} already exists; choose a new directory for the export")
+        self.staging = self.out_dir.with_name(f".{self.out_dir.name}.partial")
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+        self.support_from = support_from
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+        self._shards: list[str] = []
+
+    def write_shard(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        from safetensors.torch import save_file
+
+        name = f"shard-{len(self._shards) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.staging / name), metadata={"format": "pt"})
+        self._shards.append(name)
+        for key, value in tensors.items():
+            if key in self.weight_map:
+                raise ExportError(f"tensor {key} written twice")
+            self.weight_map[key] = name
+            self.total_bytes += value.numel() * value.element_size()
+        return name
+
+    def commit(self) -> Path:
+        """Name the shards ``model-0000i-of-0000n``, write the index and config files, move into place."""
+        if not self._shards:
+            raise ExportError("no tensors were written")
+        count = len(self._shards)
+        final = {old: f"model-{i:05d}-of-{count:05d}.safetensors" for i, old in enumerate(self._shards, 1)}
+        for old, new in final.items():
+            os.replace(self.staging / old, self.staging / new)
+        if self.support_from is not None:
+            for item in self.support_from.iterdir():
+                if item.is_file() and not item.name.endswith(".safetensors") and item.name != INDEX:
+                    shutil.copy2(item, self.staging / item.name)
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": {k: final[v] for k, v in sorted(self.weight_map.items())},
+        }
+        (self.staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        _fsync_dir(self.staging)
+        if self.out_dir.exists():
+            self.out_dir.rmdir()  # empty (checked in __init__)
+        os.replace(self.staging, self.out_dir)
+        _fsync_dir(self.out_dir.parent)
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_merged(
+    model_dir: Path, adapter_dir: Path | None, out_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> Path:
+    """Write base + adapter, merged, as a sharded safetensors checkpoint with index at ``out_dir`` (atomically)."""
+    model_dir, adapter_dir = Path(model_dir), None if adapter_dir is None else Path(adapter_dir)
+    writer = CheckpointWriter(Path(out_dir), support_from=model_dir)
+    try:
+        for bucket in buckets(merged_tensors(model_dir, adapter_dir), max_shard_bytes):
+            writer.write_shard(bucket)
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

@@ -1,0 +1,196 @@
+"""The built-in vLLM backend: an OpenAI-compatible ``vllm serve`` in the runtime venv, under the launcher.
+
+Server settings that matter on CPU: ``--distributed-executor-backend uni`` (the model runs inside vLLM's engine
+process, no separate worker: one process fewer to start), ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, small
+here), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (share the cores). Development endpoints are switched on
+(``VLLM_SERVER_DEV_MODE=1`` for ``/collective_rpc``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` for LoRA loading).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model_support.core.serving.errors import RuntimeMissingError, ServerError
+from model_support.core.serving.process import ManagedProcess
+from model_support.core.serving.runtime import RuntimeInfo, load_runtime
+
+EXT_DIR = Path(__file__).with_name("vllm_ext")
+_ROOT_CAUSE = re.compile(r"\b((?:[A-Za-z_.]+Error|AssertionError|NotImplementedError)(?::\s.*)?)$")
+_NOISE = ("EngineDeadError", "Engine core initialization failed", "APIServer", "Traceback")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How to start a server. ``dtype`` "auto" keeps the checkpoint's dtype."""
+
+    dtype: str = "auto"
+    max_model_len: int = 512
+    max_num_seqs: int = 8
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    language_model_only: bool = False
+    kv_cache_gib: int = 1
+    startup_timeout_s: float = 900.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VllmServer:
+    """A running ``vllm serve`` and a small client for the endpoints the stages use."""
+
+    def __init__(self, process: ManagedProcess, port: int, served_name: str, model_dir: Path, options: ServeOptions):
+        self.process, self.port, self.served_name = process, port, served_name
+        self.model_dir, self.options = model_dir, options
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait_ready(self) -> VllmServer:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.process.alive():
+                raise ServerError(f"vLLM exited while starting: {self.root_cause()} (log: {self.process.log_path})")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"vLLM did not become healthy in {self.options.startup_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def root_cause(self) -> str:
+        """The last error line vLLM logged (its own words), for skip/failure reasons."""
+        for line in reversed(self.process.log_tail(400).splitlines()):
+            text = line.split("] ", 1)[-1].strip()
+            match = _ROOT_CAUSE.search(text)
+            if match and not any(n in text for n in _NOISE):
+                return match.group(1)
+        return "no error line in the server log"
+
+    # ------------------------------------------------------------------ HTTP
+    def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method="POST" if data else "GET",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            cause = f"; server log: {self.root_cause()}" if exc.code >= 500 else ""
+            raise ServerError(f"vLLM {path} answered {exc.code}: {detail}{cause}") from None
+        return json.loads(raw) if raw.strip() else None
+
+    def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]:
+        """``/v1/completions`` for one token-id prompt; returns the first choice (``prompt_logprobs`` included)."""
+        body = {"model": model or self.served_name, "prompt": prompt, "return_token_ids": True, **params}
+        return self.request("/v1/completions", body)["choices"][0]
+
+    def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
+        body = {"model": self.served_name, "messages": messages, "return_token_ids": True, **params}
+        return self.request("/v1/chat/completions", body)
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self.request("/v1/models")["data"]]
+
+    def load_lora(self, name: str, path: Path) -> None:
+        self.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    def reload_weights(self, weights_dir: Path) -> None:
+        """Load a complete checkpoint into the live model in place (vLLM's worker ``reload_weights``)."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        self.request("/collective_rpc", body)
+        self.request("/reset_prefix_cache", {})
+
+    def rename(self, name: str) -> None:
+        """Serve the base model under ``name`` from now on (see ``vllm_ext/ms_vllm_ext.py``)."""
+        self.request("/model_support/served_model_name", {"name": name})
+        self.served_name = name
+
+
+class VllmBackend:
+    """vLLM from the managed runtime (``model-support runtime install``)."""
+
+    name = "vllm"
+
+    def runtime(self) -> RuntimeInfo:
+        return load_runtime()
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            self.runtime()
+        except RuntimeMissingError as exc:
+            return str(exc)
+        return None
+
+    def version(self) -> str:
+        return self.runtime().vllm_version
+
+    def serve(self, model_dir: Path, served_name: str, options: ServeOptions, log_path: Path) -> VllmServer:
+        runtime = self.runtime()
+        port = free_port()
+        args = [
+            str(runtime.bin / "vllm"),
+            "serve",
+            str(model_dir),
+            "--served-model-name",
+            served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            options.dtype,
+            "--max-model-len",
+            str(options.max_model_len),
+            "--max-num-seqs",
+            str(options.max_num_seqs),
+            "--enforce-eager",
+            "--distributed-executor-backend",
+            "uni",
+            "--middleware",
+            "ms_vllm_ext.served_name",
+            "--max-logprobs",
+            "20",
+        ]
+        if options.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank), "--max-loras", "1"]
+        if options.language_model_only:
+            args.append("--language-model-only")
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(EXT_DIR),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        }
+        process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
+        return VllmServer(process, port, served_name, model_dir, options).wait_ready()

@@ -1,0 +1,80 @@
+"""Stage `chat_template_rollout`: a chat rollout through the server keeps the token ids the trainer will score.
+
+The tokenizer's chat template renders a conversation locally; the server (the merged policy) renders and
+generates from the same messages. Checked: the server's prompt ids equal the local rendering; vLLM's
+``/tokenize`` of the messages agrees; the generated ids decode (locally) to the text the server returned; and
+scoring prompt + completion ids as a plain token prompt gives back the generation's own log-probabilities,
+so the ids a trainer receives are the ids the policy sampled.
+"""
+
+from __future__ import annotations
+
+from model_support.core.serving.errors import ServingError
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer with one word."},
+    {"role": "user", "content": "Is the sky blue?"},
+    {"role": "assistant", "content": "yes"},
+    {"role": "user", "content": "Is fire cold?"},
+]
+
+
+def _ids(rendered) -> list[int]:
+    """apply_chat_template(tokenize=True) returns a list or, in newer transformers, a BatchEncoding."""
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+class ChatTemplateRolloutStage(Stage):
+    name = "chat_template_rollout"
+    title = "Chat-template rendering, server generation and token ids round-trip between tokenizer and server."
+    order = 90
+    requires = ("merged_serving",)
+    max_tokens = 12
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        import torch
+        from transformers import AutoTokenizer
+
+        from model_support.core.serving import session
+
+        tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
+        if not tokenizer.chat_template:
+            return self.skipped(f"the tokenizer in {ctx.model_dir} has no chat template")
+        local = _ids(tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True))
+        try:
+            server = session.policy_server(ctx)
+            chat = server.chat(CONVERSATION, max_tokens=self.max_tokens, temperature=1.0, seed=ctx.seed, logprobs=True)
+            tokenized = server.request(
+                "/tokenize", {"model": server.served_name, "messages": CONVERSATION, "add_generation_prompt": True}
+            )["tokens"]
+            prompt_ids, choice = chat["prompt_token_ids"], chat["choices"][0]
+            completion = list(choice["token_ids"])
+            rescored = server.completion(prompt_ids + completion, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        except ServingError as exc:
+            return cannot_serve(self, ctx, exc)
+        generated_lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float64)
+        rescored_lp = session.served_prompt_logprobs(rescored, prompt_ids + completion)[len(prompt_ids) - 1 :]
+        text = choice["message"]["content"] or ""
+        decoded = tokenizer.decode(completion, skip_special_tokens=True)
+        metrics = {
+            "prompt_ids_mismatch": int(prompt_ids != local),
+            "tokenize_ids_mismatch": int(tokenized != local),
+            "decode_mismatch": int(decoded != text),
+            "rescore_logprob_max_abs_err": (generated_lp - rescored_lp).abs().max().item() if completion else 0.0,
+            "prompt_tokens": len(local),
+            "completion_tokens": len(completion),
+        }
+        details = [f"rendered prompt: {tokenizer.decode(local)!r}", f"completion: {text!r} ids {completion}"]
+        tol = logprob_tolerance(server.options.dtype)
+        thresholds = {
+            "prompt_ids_mismatch": 0,
+            "tokenize_ids_mismatch": 0,
+            "decode_mismatch": 0,
+            "rescore_logprob_max_abs_err": tol,
+        }
+        return self.judge(
+            metrics, thresholds, f"{len(local)} prompt + {len(completion)} completion ids round-trip", details
+        )

@@ -1,0 +1,95 @@
+"""Stage `merged_serving`: vLLM serving the merged export (base + LoRA, HF names) matches transformers + LoRA.
+
+The policy adapter (Megatron's from ``lora_coverage`` when that ran, else a seeded random PEFT adapter) is
+merged into the checkpoint by the streaming exporter, a vLLM server is started on the export (``<handler>@0``,
+reused by the later serving stages), and the prompt log-probabilities of a few random prompts, plus the greedy
+next token, are compared with transformers carrying the same adapter. Tolerances: fp32 serving must agree to
+float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the tolerance is bf16's.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from model_support.core.serving.errors import ServingError
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Requirement, Stage, StageResult
+
+# max |log p_vllm - log p_transformers| over prompt tokens, by serving dtype.
+LOGPROB_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.15}
+
+
+def logprob_tolerance(dtype: str) -> float:
+    return LOGPROB_TOLERANCE.get(dtype, LOGPROB_TOLERANCE["bfloat16"])
+
+
+def cannot_serve(stage: Stage, ctx: CheckContext, exc: ServingError) -> StageResult:
+    """A server that cannot run the model: a skip on the CPU build (with vLLM's own words), a failure on GPUs."""
+    from model_support.core.serving.runtime import load_runtime
+
+    runtime = load_runtime()
+    arch = ctx.config.architectures[0]
+    if runtime.flavor == "cpu":
+        return stage.skipped(
+            f"the CPU vLLM build ({runtime.distribution} {runtime.vllm_version}) cannot run {arch}: {exc}"
+        )
+    return stage.failed(f"vLLM {runtime.vllm_version} cannot serve {arch}: {exc}")
+
+
+class MergedServingStage(Stage):
+    name = "merged_serving"
+    title = "vLLM serving the merged LoRA export matches transformers + the adapter (prompt and next-token logprobs)."
+    order = 70
+    packages: ClassVar = (Requirement("peft", "peft", "dev"),)
+    prompts, prompt_len = 3, 24
+
+    def skip_reason(self, ctx: CheckContext) -> str | None:
+        from model_support.core.serving.session import backend
+
+        return backend().unavailable_reason()
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        import torch
+
+        from model_support.core.serving import session
+
+        adapter, origin = session.policy_adapter(ctx)
+        merged = session.merged_export(ctx)
+        prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
+        try:
+            server = session.policy_server(ctx)
+            choices = [
+                server.completion(p, max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0) for p in prompts
+            ]
+        except ServingError as exc:
+            return cannot_serve(self, ctx, exc)
+        reference = session.trainer_logprobs(ctx, adapter, prompts)
+        deltas, regrets = [], []
+        for prompt, choice, ref in zip(prompts, choices, reference, strict=True):
+            served = session.served_prompt_logprobs(choice, prompt)
+            deltas.append((served - session.token_logprobs(ref, prompt, 1)).abs())
+            greedy = choice["token_ids"][0]
+            regrets.append((ref[-1].max() - ref[-1, greedy]).item())
+        delta = torch.cat(deltas)
+        dtype = server.options.dtype
+        tol = logprob_tolerance(dtype)
+        metrics = {
+            "prompt_logprob_max_abs_err": delta.max().item(),
+            "prompt_logprob_mean_abs_err": delta.mean().item(),
+            "greedy_regret_max": max(regrets),
+            "tokens_compared": delta.numel(),
+            "serving_dtype": dtype,
+            "served_model": server.served_name,
+        }
+        details = [
+            f"adapter: {origin}; transformers applies it by {session.adapter_method(ctx)}",
+            f"merged export: {merged}",
+            "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
+            + ", ".join(f"{r:.2e}" for r in regrets),
+        ]
+        return self.judge(
+            metrics,
+            {"prompt_logprob_max_abs_err": tol, "greedy_regret_max": tol},
+            f"{metrics['tokens_compared']} prompt tokens within {tol:g} ({dtype})",
+            details,
+        )

@@ -1,0 +1,123 @@
+"""Stage `native_vllm_lora`: vLLM serving the PEFT adapter itself (no merge) matches transformers + the adapter.
+
+For a handler that declares native LoRA, a second server is started on the base checkpoint with LoRA enabled,
+the policy adapter is loaded through ``/v1/load_lora_adapter`` and its prompt log-probabilities are compared
+with transformers + adapter. For a merged-only handler the stage skips with the handler's reason, after
+checking that the reason still holds: it asks the installed vLLM whether the architecture's class implements
+``SupportsLoRA`` and, if it does, tries the adapter for real; if vLLM now serves it correctly, the stage fails
+and says so (the declaration is out of date).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any, ClassVar
+
+from model_support.core.serving.errors import ServingError
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Requirement, Stage, StageResult
+from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
+
+_PROBE = """
+import json, sys
+from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_lora
+cls = ModelRegistry._try_load_model_cls(sys.argv[1])
+print(json.dumps({"class": None if cls is None else cls.__name__,
+                  "supports_lora": bool(cls is not None and supports_lora(cls)),
+                  "packed_modules_mapping": getattr(cls, "packed_modules_mapping", {})}))
+"""
+
+
+def lora_probe(architecture: str) -> dict[str, Any]:
+    """What the installed vLLM declares about LoRA for ``architecture`` (run in the runtime venv)."""
+    from model_support.core.serving.runtime import load_runtime
+
+    runtime = load_runtime()
+    proc = subprocess.run(
+        [runtime.python, "-c", _PROBE, architecture], capture_output=True, text=True, timeout=600, check=False
+    )
+    if proc.returncode != 0:
+        raise ServingError(f"vLLM LoRA probe failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class NativeVllmLoraStage(Stage):
+    name = "native_vllm_lora"
+    title = (
+        "vLLM serving the PEFT adapter natively matches transformers + the adapter (or the merged-only reason holds)."
+    )
+    order = 80
+    requires = ("merged_serving",)
+    packages: ClassVar = (Requirement("peft", "peft", "dev"),)
+    prompts, prompt_len = 2, 24
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        from model_support.core.serving.session import backend
+
+        declared = ctx.spec.vllm_lora
+        arch = ctx.config.architectures[0]
+        version = backend().version()
+        if declared.native:
+            return self._serve_adapter(ctx)
+        probe = lora_probe(arch)
+        if not probe["supports_lora"]:
+            return self.skipped(
+                f"merged-only: {declared.reason} (confirmed: vLLM {version}'s {probe['class']} does not implement "
+                "SupportsLoRA)"
+            )
+        result = self._serve_adapter(ctx)
+        if result.status == "pass":
+            return self.failed(
+                f"declared merged-only ({declared.reason}), but vLLM {version} serves the adapter natively within "
+                f"tolerance: declare vllm_lora native=True",
+                metrics=result.metrics,
+                thresholds=result.thresholds,
+                details=result.details,
+            )
+        return self.skipped(f"merged-only: {declared.reason} (confirmed on vLLM {version}: {result.summary})")
+
+    def _serve_adapter(self, ctx: CheckContext) -> StageResult:
+        import torch
+
+        from model_support.core.serving import session
+
+        adapter, origin = session.policy_adapter(ctx)
+        prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
+        options = session.serve_options(ctx, enable_lora=True)
+        server = None
+        try:
+            server = session.backend().serve(
+                ctx.model_dir, f"{ctx.spec.name}-base", options, session.serving_workdir(ctx) / "vllm-lora.log"
+            )
+            server.load_lora(f"{ctx.spec.name}-lora", adapter)
+            choices = [
+                server.completion(p, model=f"{ctx.spec.name}-lora", max_tokens=1, temperature=0.0, prompt_logprobs=0)
+                for p in prompts
+            ]
+        except ServingError as exc:
+            return cannot_serve(self, ctx, exc)
+        finally:
+            if server is not None:
+                server.stop()
+        reference = session.trainer_logprobs(ctx, adapter, prompts)
+        delta = torch.cat(
+            [
+                (session.served_prompt_logprobs(c, p) - session.token_logprobs(r, p, 1)).abs()
+                for p, c, r in zip(prompts, choices, reference, strict=True)
+            ]
+        )
+        tol = logprob_tolerance(options.dtype)
+        metrics = {
+            "lora_logprob_max_abs_err": delta.max().item(),
+            "lora_logprob_mean_abs_err": delta.mean().item(),
+            "tokens_compared": delta.numel(),
+            "serving_dtype": options.dtype,
+        }
+        return self.judge(
+            metrics,
+            {"lora_logprob_max_abs_err": tol},
+            f"adapter served natively: {metrics['tokens_compared']} prompt tokens within {tol:g} ({options.dtype})",
+            [f"adapter: {origin}"],
+        )

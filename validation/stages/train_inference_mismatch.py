@@ -1,0 +1,73 @@
+"""Stage `train_inference_mismatch`: the trainer and the server give the same log-probabilities to the same samples.
+
+Completions are sampled from the server (temperature 1, seeded); the trainer side (transformers + the same
+LoRA adapter, unmerged through PEFT where transformers can; see ``core/serving/session.py``) scores the same
+prompt + completion ids. Per sampled token, ``delta = log p_server - log p_trainer``; the report gives mean and
+max ``|delta|`` and the KL(server || trainer) estimate ``k3 = exp(-delta) - 1 + delta`` averaged over tokens
+(unbiased under the server's samples, always >= 0). This is the number an on-policy RL run depends on: it proves
+the served weights are the trained weights.
+"""
+
+from __future__ import annotations
+
+from model_support.core.serving.errors import ServingError
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
+
+# mean-KL tolerance is the square of the per-token logprob tolerance (k3 ~ delta^2 / 2 for small delta).
+KL_TOLERANCE_FACTOR = 1.0
+
+
+class TrainInferenceMismatchStage(Stage):
+    name = "train_inference_mismatch"
+    title = "Per-token logprobs of server samples agree between trainer and server (KL, |delta logprob|)."
+    order = 100
+    requires = ("merged_serving",)
+    prompts, prompt_len, max_tokens = 3, 8, 16
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        import torch
+
+        from model_support.core.serving import session
+
+        adapter, origin = session.policy_adapter(ctx)
+        prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
+        try:
+            server = session.policy_server(ctx)
+            samples = [
+                server.completion(
+                    p, max_tokens=self.max_tokens, temperature=1.0, seed=ctx.seed + i, logprobs=0, ignore_eos=True
+                )
+                for i, p in enumerate(prompts)
+            ]
+        except ServingError as exc:
+            return cannot_serve(self, ctx, exc)
+        sequences = [p + list(s["token_ids"]) for p, s in zip(prompts, samples, strict=True)]
+        trainer = session.trainer_logprobs(ctx, adapter, sequences)
+        deltas = []
+        for prompt, sample, seq, ref in zip(prompts, samples, sequences, trainer, strict=True):
+            served = torch.tensor(sample["logprobs"]["token_logprobs"], dtype=torch.float64)
+            deltas.append(served - session.token_logprobs(ref, seq, len(prompt)))
+        delta = torch.cat(deltas)
+        k3 = torch.exp(-delta) - 1 + delta
+        tol = logprob_tolerance(server.options.dtype)
+        metrics = {
+            "kl_mean": k3.mean().item(),
+            "kl_max": k3.max().item(),
+            "abs_delta_logprob_mean": delta.abs().mean().item(),
+            "abs_delta_logprob_max": delta.abs().max().item(),
+            "sampled_tokens": delta.numel(),
+            "trainer": "transformers + PEFT adapter"
+            if session.adapter_method(ctx) == "peft"
+            else "transformers, merged",
+            "serving_dtype": server.options.dtype,
+        }
+        thresholds = {"abs_delta_logprob_max": tol, "kl_mean": KL_TOLERANCE_FACTOR * tol**2}
+        return self.judge(
+            metrics,
+            thresholds,
+            f"{delta.numel()} sampled tokens: mean KL {metrics['kl_mean']:.2e}, "
+            f"max |delta| {metrics['abs_delta_logprob_max']:.2e}",
+            [f"adapter: {origin}"],
+        )
