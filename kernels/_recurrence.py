@@ -150,7 +150,7 @@ class _StateRecurrence(torch.autograd.Function):
         # The rest needs no order: batched over all chunks at once.
         dw = -(dd_total @ s_start.transpose(-1, -2))
         dkd = d @ ds_next.transpose(-1, -2)
-        dgamma = (s_start * ds_next).sum((-1, -2))
+        dgamma = torch.einsum("nhkv,nhkv->nh", s_start, ds_next)
         return dd_total, dw, dkd, dgamma, ds0, None, None
 
 

@@ -19,6 +19,8 @@ all sequences. All exponents are <= 0, so nothing overflows.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,54 @@ class _ChunkLayout:
         return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
 
 
+def _intra_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    compute: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """Everything that needs no state, batched over ``[n_chunks, HV, C, *]`` (input dtype in).
+
+    Returns ``u, w, kd, gamma`` for the recurrence and ``q_decayed, p`` for the output
+    ``O = q_decayed S + p D``.
+    """
+    q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:  # zero (padding) rows stay zero
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    cum = g.cumsum(-1)
+    causal = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    # WY representation: u = (I + A)^-1 beta V, w = (I + A)^-1 beta exp(G) K. A has a zero
+    # diagonal, which unitriangular=True reads as I + A; inverting once (C columns) and
+    # multiplying is cheaper than a triangular solve with K + V columns.
+    a = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
+    eye = torch.eye(CHUNK_SIZE, dtype=a.dtype, device=a.device)
+    inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True) * beta[..., None, :]
+    u = inverse @ v
+    w = inverse @ (k * cum.exp()[..., None])
+    last = cum[..., -1]  # padding slots have g = 0, so this is the decay of the real tokens
+    kd = k * (last[..., None] - cum).exp()[..., None]
+    p = (q @ k.transpose(-1, -2)) * decay
+    return u, w, kd, last.exp(), q * cum.exp()[..., None], p
+
+
+@functools.cache
+def _compiled_intra_chunk() -> Callable[..., tuple[torch.Tensor, ...]]:
+    return torch.compile(_intra_chunk, dynamic=True)
+
+
+def _intra_chunk_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """On CUDA, ``_intra_chunk`` through ``torch.compile`` (its dozen elementwise passes over
+    ``[n_chunks, HV, C, C]`` tensors fuse); eager elsewhere. Compiled once, dynamic shapes."""
+    return _compiled_intra_chunk() if device.type == "cuda" else _intra_chunk
+
+
 def _chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,36 +139,19 @@ def _chunked(
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     total = q.shape[1]
     heads, v_heads = q.shape[2], v.shape[2]
-    q, k, v, g, beta = (x[0].to(compute) for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * scale
+    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
     if v_heads != heads:
         q = q.repeat_interleave(v_heads // heads, dim=1)
         k = k.repeat_interleave(v_heads // heads, dim=1)
 
     layout = _ChunkLayout.build(cu_seqlens, v_heads, CHUNK_SIZE)
-    q, k, v, g, beta = (layout.to_chunks(x) for x in (q, k, v, g, beta))
-    cum = g.cumsum(-1)  # [Nc, HV, C]
-    causal = torch.ones(CHUNK_SIZE, CHUNK_SIZE, dtype=torch.bool, device=q.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-
-    # WY representation: u = (I + A)^-1 beta V, w = (I + A)^-1 beta exp(G) K. A has a zero
-    # diagonal, which unitriangular=True reads as I + A; inverting once (C columns) and
-    # multiplying is cheaper than a triangular solve with K + V columns.
-    a = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
-    eye = torch.eye(CHUNK_SIZE, dtype=a.dtype, device=a.device)
-    inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True) * beta[..., None, :]
-    u = inverse @ v
-    w = inverse @ (k * cum.exp()[..., None])
-    last = cum[..., -1]  # padding slots have g = 0, so this is the decay of the real tokens
-    kd = k * (last[..., None] - cum).exp()[..., None]
+    chunks = (layout.to_chunks(x) for x in (q, k, v, g, beta))
+    u, w, kd, gamma, q_decayed, p = _intra_chunk_for(q.device)(*chunks, scale, use_qk_l2norm, compute)
 
     n_seq = cu_seqlens.numel() - 1
-    s0 = q.new_zeros(n_seq, v_heads, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(compute)
-    d, s_start, s_final = state_recurrence(u, w, kd, last.exp(), s0, layout.schedule, use_triton=use_triton)
-
-    o = (q * cum.exp()[..., None]) @ s_start + ((q @ k.transpose(-1, -2)) * decay) @ d
+    s0 = u.new_zeros(n_seq, v_heads, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(compute)
+    d, s_start, s_final = state_recurrence(u, w, kd, gamma, s0, layout.schedule, use_triton=use_triton)
+    o = q_decayed @ s_start + p @ d
     return layout.from_chunks(o, total)[None], s_final
 
 
