@@ -123,7 +123,7 @@ def _intra_chunk_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, 
     return _compiled_intra_chunk() if device.type == "cuda" else _intra_chunk
 
 
-def _chunked(
+def run_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -134,8 +134,14 @@ def _chunked(
     scale: float,
     use_qk_l2norm: bool,
     use_triton: bool,
+    fan_out_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our chunked path on packed ``[1, T, ...]`` input; returns output and final states."""
+    """Our chunked path on packed ``[1, T, ...]`` input; returns output and final states.
+
+    ``fan_out_first``: sequence 0 is a shared prompt; every later sequence starts from its
+    final state (``initial_state``, if given, is the prompt's alone, ``[1, HV, K, V]``). The
+    parallel stages still run once over all tokens; only the recurrence runs in two phases.
+    """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     total = q.shape[1]
     heads, v_heads = q.shape[2], v.shape[2]
@@ -149,8 +155,24 @@ def _chunked(
     u, w, kd, gamma, q_decayed, p = _intra_chunk_for(q.device)(*chunks, scale, use_qk_l2norm, compute)
 
     n_seq = cu_seqlens.numel() - 1
-    s0 = u.new_zeros(n_seq, v_heads, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(compute)
-    d, s_start, s_final = state_recurrence(u, w, kd, gamma, s0, layout.schedule, use_triton=use_triton)
+    state_shape = (v_heads, k.shape[-1], v.shape[-1])
+    if not fan_out_first:
+        s0 = u.new_zeros(n_seq, *state_shape) if initial_state is None else initial_state.to(compute)
+        d, s_start, s_final = state_recurrence(u, w, kd, gamma, s0, layout.schedule, use_triton=use_triton)
+    else:
+        s0 = u.new_zeros(1, *state_shape) if initial_state is None else initial_state.to(compute)
+        counts = layout.schedule.counts
+        split = counts[0]
+        prompt = ChunkSchedule.build([split], u.device)
+        rest = ChunkSchedule.build(list(counts[1:]), u.device)
+        d0, start0, final0 = state_recurrence(
+            u[:split], w[:split], kd[:split], gamma[:split], s0, prompt, use_triton=use_triton
+        )
+        fanned = final0.expand(n_seq - 1, *state_shape)
+        d1, start1, final1 = state_recurrence(
+            u[split:], w[split:], kd[split:], gamma[split:], fanned, rest, use_triton=use_triton
+        )
+        d, s_start, s_final = torch.cat([d0, d1]), torch.cat([start0, start1]), torch.cat([final0, final1])
     o = q_decayed @ s_start + p @ d
     return layout.from_chunks(o, total)[None], s_final
 
@@ -190,6 +212,32 @@ def _fla(
     return o, final
 
 
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the five inputs follow the layout of this module."""
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or g.shape != v.shape[:3] or beta.shape != g.shape:
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
+        )
+    if v.shape[2] % q.shape[2]:
+        raise ValueError(f"value heads ({v.shape[2]}) must be a multiple of query/key heads ({q.shape[2]})")
+
+
+def resolve_backend(
+    backend: str | BackendChoice | None, device: torch.device, inputs: tuple[torch.Tensor | None, ...]
+) -> str:
+    """The backend name to run: the policy's choice, or the caller's after checking it is correct here.
+
+    A backward is needed when autograd is on and any input requires grad.
+    """
+    need_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if backend is None:
+        return select_backend(device, need_backward=need_backward).name
+    name = backend.name if isinstance(backend, BackendChoice) else backend
+    check_backend(name, device, need_backward=need_backward)
+    return name
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -215,27 +263,13 @@ def chunk_gated_delta_rule(
 
     Returns ``(o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] or None)``.
     """
-    batch, total, heads, k_dim = q.shape
+    batch, total, _, k_dim = q.shape
     v_heads = v.shape[2]
-    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or g.shape != v.shape[:3] or beta.shape != g.shape:
-        raise ValueError(
-            f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
-            f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
-        )
-    if v_heads % heads:
-        raise ValueError(f"value heads ({v_heads}) must be a multiple of query/key heads ({heads})")
+    check_shapes(q, k, v, g, beta)
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs packed input with batch size 1, got {batch}")
     scale = k_dim**-0.5 if scale is None else scale
-
-    need_backward = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
-    )
-    if backend is None:
-        name = select_backend(q.device, need_backward=need_backward).name
-    else:
-        name = backend.name if isinstance(backend, BackendChoice) else backend
-        check_backend(name, q.device, need_backward=need_backward)
+    name = resolve_backend(backend, q.device, (q, k, v, g, beta, initial_state))
 
     if name == "fla":
         return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm)
@@ -245,6 +279,6 @@ def chunk_gated_delta_rule(
         q, k, v, g, beta = (x.reshape(1, batch * total, *x.shape[2:]) for x in (q, k, v, g, beta))
     else:
         cu = cu_seqlens
-    o, final = _chunked(q, k, v, g, beta, cu, initial_state, scale, use_qk_l2norm, use_triton=name == "chunked-triton")
+    o, final = run_chunked(q, k, v, g, beta, cu, initial_state, scale, use_qk_l2norm, name == "chunked-triton")
     o = o.reshape(batch, total, v_heads, v.shape[-1]).to(v.dtype)
     return o, final if output_final_state else None
