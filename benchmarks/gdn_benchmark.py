@@ -84,6 +84,17 @@ def correctness() -> dict[str, float]:
         o_fla, _ = chunk_gated_delta_rule(*xb, cu_seqlens=cu, use_qk_l2norm=True, backend="fla")
     errors["chunked-triton bf16 output"] = rel(o_ours, ref_o)
     errors["fla bf16 forward output"] = rel(o_fla, ref_o)
+
+    # Shared prefix: our one-pass path against fla's two calls (bf16, forward).
+    with torch.no_grad():
+        prefix = make_inputs(300, 4, 128, torch.bfloat16, seed=4, grad=False)
+        completions = make_inputs(200, 4, 128, torch.bfloat16, seed=5, grad=False)
+        comp_cu = cu_from_lengths([1, 64, 135])
+        ours = shared_prefix_gated_delta_rule(
+            prefix, completions, comp_cu, use_qk_l2norm=True, backend="chunked-triton"
+        )
+        theirs = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend="fla")
+    errors["shared prefix: ours vs fla (bf16)"] = rel(torch.cat(ours[:2], 1), torch.cat(theirs[:2], 1))
     return errors
 
 
