@@ -133,6 +133,11 @@ def handlers_page() -> str:
     return "\n".join(lines)
 
 
+def _is_tolerance(name: str) -> bool:
+    lowered = name.lower()
+    return "threshold" in lowered or "tolerance" in lowered or lowered.endswith("_tol")
+
+
 def _tolerances(stage: type[Any]) -> list[str]:
     """Tolerances a stage declares: class attributes or module constants named *threshold* / *tolerance*."""
     from model_support.validation.stage import Stage
@@ -143,14 +148,26 @@ def _tolerances(stage: type[Any]) -> list[str]:
     sources = [("", vars(module) if module else {})] + [(f"{c.__name__}.", vars(c)) for c in classes]
     for prefix, namespace in sources:
         for name, value in namespace.items():
-            lowered = name.lower()
-            if not ("threshold" in lowered or "tolerance" in lowered or lowered.endswith("_tol")):
+            if not _is_tolerance(name):
                 continue
             if isinstance(value, int | float) and not isinstance(value, bool):
                 found.append(f"`{prefix}{name}` = {value:g}")
             elif isinstance(value, dict) and value and all(isinstance(v, int | float) for v in value.values()):
                 found.append(f"`{prefix}{name}`: " + ", ".join(f"{k} <= {v:g}" for k, v in value.items()))
     return found
+
+
+def _parameters(stage: type[Any]) -> list[str]:
+    """Other numbers a stage class sets (steps, sizes, minimums), excluding its order and tolerances."""
+    return [
+        f"`{name}` = {value:g}"
+        for name, value in vars(stage).items()
+        if isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and not name.startswith("_")
+        and name != "order"
+        and not _is_tolerance(name)
+    ]
 
 
 def stages_page() -> str:
@@ -187,6 +204,9 @@ def stages_page() -> str:
             lines.append(f"- needs `{req.module}` ({req.distribution}, {how}); skips without it")
         tolerances = _tolerances(stage)
         lines.append(f"- tolerances: {'; '.join(tolerances)}" if tolerances else "- tolerances: none declared")
+        parameters = _parameters(stage)
+        if parameters:
+            lines.append(f"- parameters: {', '.join(parameters)}")
         module_doc = inspect.getdoc(sys.modules[stage.__module__]) or ""
         class_doc = stage.__doc__ if stage.__doc__ is not Stage.__doc__ else None
         for doc in (module_doc, inspect.cleandoc(class_doc) if class_doc else ""):

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from model_support.core.cli import app
-from model_support.plugins.reference_docs import PAGES, _tolerances, cli_page, handlers_page, stages_page
+from model_support.plugins.reference_docs import PAGES, _parameters, _tolerances, cli_page, handlers_page, stages_page
 from model_support.validation.stage import Stage
 
 ROOT = Path(__file__).parents[2]
@@ -55,6 +55,7 @@ def test_declared_tolerances_are_rendered():
         order = 1
         thresholds: ClassVar[dict[str, float]] = {"max_abs_logit_diff": 1e-4, "mean_kl": 1e-6}
         COSINE_TOLERANCE = 0.999
+        steps = 8
 
         def run(self, ctx):
             raise NotImplementedError
@@ -62,6 +63,7 @@ def test_declared_tolerances_are_rendered():
     rendered = _tolerances(Parity)
     assert "`Parity.thresholds`: max_abs_logit_diff <= 0.0001, mean_kl <= 1e-06" in rendered
     assert "`Parity.COSINE_TOLERANCE` = 0.999" in rendered
+    assert _parameters(Parity) == ["`steps` = 8"]
 
 
 def test_docs_check_names_a_stale_page(tmp_path: Path):

@@ -52,6 +52,14 @@ def test_check_tiny_runs_every_stage_on_llama(site: Path, tmp_path: Path):
         "experts": 0,
         "lora_targets": 7,
     }
+    # The Megatron stages pass on Llama (megatron-bridge maps it, the standard codec fits), or skip
+    # naming the missing package when the megatron extra is not installed.
+    for stage in ("hf_parity", "lora_coverage", "packed_position_ids", "trainability"):
+        result = next((r for r in report["results"] if r["stage"] == stage), None)
+        if result is None:
+            continue
+        skipped_for_a_package = result["status"] == "skip" and "is not installed" in result["summary"]
+        assert result["status"] == "pass" or skipped_for_a_package, result
     # Every registered stage reports, and every verdict says why.
     listed = run_cli("stages", site=site)
     assert all(f"│ {stage} " in listed.stdout for stage in status)

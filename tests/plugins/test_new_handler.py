@@ -57,6 +57,7 @@ def test_generated_package_declares_the_family_from_its_config(generated: Path):
     assert handler.hf_target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     assert handler.megatron_target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     assert [(d.package, d.minimum) for d in handler.dependencies] == [("transformers", "4.40.1")]
+    assert handler.codec is not None and handler.codec.name == "qwen2"
     # The real config ships unchanged as the reference config; the tiny fixture is the shrunk replica config.
     assert json.loads(handler.reference_config.read_text()) == json.loads(QWEN2_CONFIG.read_text())
     tiny = json.loads((generated / "tests" / "fixtures" / "tiny-config.json").read_text())
