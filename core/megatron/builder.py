@@ -209,6 +209,22 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
         router.gating = gating
 
 
+def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
+    """On CPU, let a replicated parameter take the checkpoint tensor every rank has read itself.
+
+    megatron-bridge's ReplicatedMapping broadcasts from TP rank 0 after moving the tensor to
+    ``torch.cuda.current_device()``; without a GPU each rank reads the same tensor from the checkpoint.
+    """
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, ReplicatedMapping
+
+    if isinstance(mapping, AutoMapping) and mapping._mapping is None:
+        mapping._detected_type = mapping._detect_parallelism_type(module)
+        mapping._mapping = mapping._get_or_create_mapping(mapping._detected_type)
+    target = mapping._mapping if isinstance(mapping, AutoMapping) else mapping
+    if isinstance(target, ReplicatedMapping):
+        target.hf_to_megatron = lambda weights, _module: weights
+
+
 def _load_weights(built: MegatronModel) -> None:
     """Fill every parameter from the checkpoint with the bridge's mapping; fail on anything unmapped."""
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
@@ -241,6 +257,8 @@ def _load_weights(built: MegatronModel) -> None:
         module, _ = get_module_and_param_from_name([built.model], name)
         if not hasattr(module, "config"):
             module.config = built.provider
+        if built.tensor_parallel > 1 and not torch.cuda.is_available():
+            _replicate_locally(mapping, module)
         value = mapping.hf_to_megatron(hf_weights, module)
         if tuple(value.shape) != tuple(param.shape):
             raise MegatronBuildError(f"{name}: bridge produced {tuple(value.shape)}, model has {tuple(param.shape)}")

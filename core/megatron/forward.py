@@ -48,13 +48,28 @@ def gdn_packing(model: torch.nn.Module, cu_seqlens: torch.Tensor | None) -> Iter
             layer.cu_seqlens = None
 
 
+class _GatherVocab(torch.autograd.Function):
+    """All-gather the vocabulary-parallel logits (each rank holds a contiguous slice); backward keeps this
+    rank's slice of the gradient. megatron-core's own gather allocates on the current CUDA device."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank, ctx.width = group.rank(), local.shape[-1]
+        parts = [torch.empty_like(local) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(), None
+
+
 def logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, S, V] logits (full vocabulary on every tensor-parallel rank).
 
     ``position_ids`` given: ``input_ids`` is one packed row ([1, S]) and sequences restart at position 0.
     """
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     batch, total = input_ids.shape
     if position_ids is None:
@@ -68,6 +83,6 @@ def logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.
     with gdn_packing(model, cu_seqlens):
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        out = gather_from_tensor_model_parallel_region(out)
+        out = _GatherVocab.apply(out, parallel_state.get_tensor_model_parallel_group())
     vocab = getattr(model.config, "vocab_size", None) or out.shape[-1]
     return out[..., :vocab].float()
