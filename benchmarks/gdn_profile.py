@@ -1,57 +1,71 @@
-"""Where the time of our chunked GDN goes on the GPU: recurrence variants and a kernel profile.
+"""Where the time of our chunked GDN goes on the GPU: the Triton recurrence alone, then a profile.
 
-Run like ``gdn_benchmark.py`` (CUDA, project importable). Times fwd+bwd of the packed
-16 x 2048 tokens, 16 heads x 128, bf16 case for the torch loop and for Triton recurrence
-settings (dot precision, value block, warps), each checked against the float32 torch loop,
-then prints the profiler's top CUDA kernels for the chosen setting.
+Run like ``gdn_benchmark.py`` (CUDA, project importable), as ``python -m benchmarks.gdn_profile``.
+First times the recurrence kernels by themselves for several settings (dot precision, value
+block, warps) on the packed shape (16 sequences x 32 chunks) and the shared-prompt shape (1
+sequence x 32 chunks), each checked against the torch loop; then prints the profiler's top
+CUDA kernels of one packed fwd+bwd (16 x 2048 tokens, 16 heads x 128, bf16).
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gdn_benchmark import DIM, HEADS, N_SEQ, SEQ_LEN, bench, cu_from_lengths, fwd_bwd, make_inputs, rel
 from model_support.kernels import _triton_recurrence, chunk_gated_delta_rule
+from model_support.kernels._recurrence import ChunkSchedule, _loop_backward, _loop_forward
 
-# (dot precision, value block, warps, pipeline stages) tried in order; the last one is profiled.
-SETTINGS = [("tf32x3", 32, 4, 1)]
+CHUNKS_PER_SEQ = SEQ_LEN // 64
+
+
+def recurrence_sweep() -> None:
+    for n_seq in (N_SEQ, 1):
+        counts = [CHUNKS_PER_SEQ] * n_seq
+        n = sum(counts)
+        sched = ChunkSchedule.build(counts, torch.device("cuda"))
+        shape = (n, HEADS, 64, DIM)
+        u, w, kd = (torch.randn(shape, device="cuda") * s for s in (1.0, 0.05, 0.05))
+        gamma = torch.rand(n, HEADS, device="cuda") * 0.5 + 0.5
+        s0 = torch.randn(n_seq, HEADS, DIM, DIM, device="cuda")
+        dd, dss = torch.randn_like(u), torch.randn(n, HEADS, DIM, DIM, device="cuda")
+        dsf = torch.randn_like(s0)
+        want_f = _loop_forward(u, w, kd, gamma, s0, sched)
+        want_b = _loop_backward(w, kd, gamma, dd, dss, dsf, sched)
+        print(f"--- recurrence alone, {n_seq} sequence(s) x {CHUNKS_PER_SEQ} chunks", flush=True)
+        for precision, block_v, warps in itertools.product(("tf32x3", "tf32"), (16, 32, 64), (4, 8)):
+            _triton_recurrence.DOT_PRECISION = precision
+            _triton_recurrence.BLOCK_V = block_v
+            _triton_recurrence.NUM_WARPS = warps
+            got_f = _triton_recurrence.forward(u, w, kd, gamma, s0, sched.offsets)
+            got_b = _triton_recurrence.backward(w, kd, gamma, dd, dss, dsf, sched.offsets)
+            torch.cuda.synchronize()
+            err = max(rel(a, b) for a, b in zip((*got_f, *got_b), (*want_f, *want_b), strict=True))
+            t_f = bench(functools.partial(_triton_recurrence.forward, u, w, kd, gamma, s0, sched.offsets))
+            t_b = bench(functools.partial(_triton_recurrence.backward, w, kd, gamma, dd, dss, dsf, sched.offsets))
+            print(
+                f"{precision:7s} BV={block_v:3d} warps={warps}: fwd {t_f:7.3f} bwd {t_b:7.3f} ms, "
+                f"max rel err {err:.1e}",
+                flush=True,
+            )
 
 
 def main() -> None:
+    defaults = (_triton_recurrence.DOT_PRECISION, _triton_recurrence.BLOCK_V, _triton_recurrence.NUM_WARPS)
+    recurrence_sweep()
+    _triton_recurrence.DOT_PRECISION, _triton_recurrence.BLOCK_V, _triton_recurrence.NUM_WARPS = defaults
+
     cu = cu_from_lengths([SEQ_LEN] * N_SEQ)
     x = make_inputs(N_SEQ * SEQ_LEN, HEADS, DIM, torch.bfloat16, seed=1, grad=True)
-
-    def run(backend: str) -> torch.Tensor:
-        return chunk_gated_delta_rule(*x, cu_seqlens=cu, use_qk_l2norm=True, backend=backend)[0]
-
-    with torch.no_grad():
-        want = run("torch-chunked").float()
-    print(f"torch-chunked fwd+bwd {bench(fwd_bwd(lambda: run('torch-chunked'), list(x))):8.3f} ms", flush=True)
-    for precision, block_v, warps, stages in SETTINGS:
-        _triton_recurrence.DOT_PRECISION = precision
-        _triton_recurrence.BLOCK_V = block_v
-        _triton_recurrence.NUM_WARPS = warps
-        _triton_recurrence.NUM_STAGES = stages
-        with torch.no_grad():
-            got = run("chunked-triton")
-            torch.cuda.synchronize()
-            err = rel(got, want)
-            fwd = bench(lambda: run("chunked-triton"))
-        both = bench(fwd_bwd(lambda: run("chunked-triton"), list(x)))
-        print(
-            f"{precision:7s} BV={block_v:3d} warps={warps} stages={stages}: "
-            f"fwd {fwd:8.3f} fwd+bwd {both:8.3f} ms, rel err {err:.1e}"
-        )
-
-    for backend in ("torch-chunked", "chunked-triton"):
-        step = fwd_bwd(lambda backend=backend: run(backend), list(x))
+    step = fwd_bwd(lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu, use_qk_l2norm=True)[0], list(x))
+    step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        print(f"--- {backend} (triton setting: last above)")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":
