@@ -56,8 +56,16 @@ def import_bridge() -> types.ModuleType:
             found = False
         if not found:
             raise MegatronUnavailableError(f"{name} is not installed (pip install 'model-support[megatron]')")
-    # megatron-bridge logs every optional symbol it fails to import; those are expected here.
-    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
+    # megatron-bridge logs (INFO, with tracebacks) every optional symbol it fails to import; expected here.
+    previous = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        return _import_bridge()
+    finally:
+        logging.disable(previous)
+
+
+def _import_bridge() -> types.ModuleType:
     import megatron.core
     import megatron.training
 
