@@ -49,6 +49,8 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # `python -m` puts the working directory on sys.path: keep this project's folders off it.
+                cwd=self.log_path.parent,
             )
         _LIVE.add(self)
         return self

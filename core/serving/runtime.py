@@ -123,7 +123,8 @@ def _cpu_requirements(python: Path, distribution: str, env: dict[str, str]) -> t
             pins = [Version(s.version) for s in req.specifier if s.operator == "=="]
             torch_version = pins[0].public if pins else ""
         if req.name not in _REPLACED:
-            keep.append(str(req.name) + str(req.specifier) if req.specifier else req.name)
+            extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+            keep.append(f"{req.name}{extras}{req.specifier}")
     if not torch_version:
         raise ServingError(f"runtime install: {distribution} does not pin torch; cannot pick a matching build")
     return keep, torch_version

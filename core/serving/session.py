@@ -41,9 +41,11 @@ def serving_workdir(ctx: CheckContext) -> Path:
 
 
 def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptions:
-    """CPU vLLM runs Gated DeltaNet only in bf16 (its CPU GDN kernel asserts it); everything else keeps fp32."""
+    """The checkpoint's own dtype (vLLM's "auto" would run fp32 checkpoints in bf16 on CPU), except that CPU
+    vLLM runs Gated DeltaNet only in bf16 (its CPU GDN kernel asserts "CPU GDN attention requires BF16")."""
     cpu = load_runtime().flavor == "cpu"
-    dtype = "bfloat16" if cpu and ctx.spec.linear_attention else "float32" if ctx.tiny else "auto"
+    stored = str(getattr(ctx.config.get_text_config(), "dtype", None) or "auto").removeprefix("torch.")
+    dtype = "bfloat16" if cpu and ctx.spec.linear_attention else stored
     return ServeOptions(
         dtype=dtype,
         enable_lora=enable_lora,

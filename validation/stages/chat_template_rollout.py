@@ -2,7 +2,8 @@
 
 The tokenizer's chat template renders a conversation locally; the server (the merged policy) renders and
 generates from the same messages. Checked: the server's prompt ids equal the local rendering; vLLM's
-``/tokenize`` of the messages agrees; the generated ids decode (locally) to the text the server returned; and
+``/tokenize`` of the messages agrees; vLLM's ``/detokenize`` of the generated ids equals the local decode (the
+streamed text itself can differ where sampling split a UTF-8 character across tokens); and
 scoring prompt + completion ids as a plain token prompt gives back the generation's own log-probabilities,
 so the ids a trainer receives are the ids the policy sampled.
 """
@@ -52,17 +53,17 @@ class ChatTemplateRolloutStage(Stage):
             )["tokens"]
             prompt_ids, choice = chat["prompt_token_ids"], chat["choices"][0]
             completion = list(choice["token_ids"])
+            detokenized = server.request("/detokenize", {"model": server.served_name, "tokens": completion})["prompt"]
             rescored = server.completion(prompt_ids + completion, max_tokens=1, temperature=0.0, prompt_logprobs=0)
         except ServingError as exc:
             return cannot_serve(self, ctx, exc)
         generated_lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float64)
         rescored_lp = session.served_prompt_logprobs(rescored, prompt_ids + completion)[len(prompt_ids) - 1 :]
         text = choice["message"]["content"] or ""
-        decoded = tokenizer.decode(completion, skip_special_tokens=True)
         metrics = {
             "prompt_ids_mismatch": int(prompt_ids != local),
             "tokenize_ids_mismatch": int(tokenized != local),
-            "decode_mismatch": int(decoded != text),
+            "detokenize_mismatch": int(detokenized != tokenizer.decode(completion)),
             "rescore_logprob_max_abs_err": (generated_lp - rescored_lp).abs().max().item() if completion else 0.0,
             "prompt_tokens": len(local),
             "completion_tokens": len(completion),
@@ -72,7 +73,7 @@ class ChatTemplateRolloutStage(Stage):
         thresholds = {
             "prompt_ids_mismatch": 0,
             "tokenize_ids_mismatch": 0,
-            "decode_mismatch": 0,
+            "detokenize_mismatch": 0,
             "rescore_logprob_max_abs_err": tol,
         }
         return self.judge(
