@@ -17,6 +17,7 @@ from model_support.core.discovery import ModelSource, load_config, locate, resol
 from model_support.core.errors import ModelNotFoundError, ModelSupportError
 from model_support.core.layout import derive_layout
 from model_support.core.registry import Registry, load_registry, parse_preferences
+from model_support.core.serving.cli import runtime_app
 from model_support.core.spec import HandlerSpec
 from model_support.plugins.new_handler import new_handler
 from model_support.plugins.reference_docs import docs
@@ -29,6 +30,7 @@ app = typer.Typer(
 )
 console = Console()
 err = Console(stderr=True)
+app.add_typer(runtime_app, name="runtime")
 
 PreferOption = Annotated[
     list[str] | None,

@@ -17,3 +17,10 @@ def model_support_handlers() -> Sequence[HandlerSpec]:
 @hookimpl
 def model_support_stages() -> Sequence[type[Stage]]:
     return list(BUILTIN_STAGES)
+
+
+@hookimpl
+def model_support_serving_backends() -> Sequence[object]:
+    from model_support.core.serving.vllm_backend import VllmBackend
+
+    return [VllmBackend()]

@@ -26,3 +26,8 @@ def model_support_handlers() -> Sequence[HandlerSpec]:
 @hookspec
 def model_support_stages() -> Sequence[type[Stage]]:
     """Return validation stage classes this plugin adds to ``model-support check``."""
+
+
+@hookspec
+def model_support_serving_backends() -> Sequence[object]:
+    """Return serving backends (objects shaped like ``model_support.core.serving.backend.ServingBackend``)."""

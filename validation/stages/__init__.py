@@ -1,10 +1,14 @@
 """Built-in validation stages, in pipeline order."""
 
 from model_support.validation.stages.architecture import ArchitectureStage
+from model_support.validation.stages.chat_template_rollout import ChatTemplateRolloutStage
 from model_support.validation.stages.dependencies import DependenciesStage
 from model_support.validation.stages.hf_parity import HfParityStage
 from model_support.validation.stages.lora_coverage import LoraCoverageStage
+from model_support.validation.stages.merged_serving import MergedServingStage
+from model_support.validation.stages.native_vllm_lora import NativeVllmLoraStage
 from model_support.validation.stages.packed_position_ids import PackedPositionIdsStage
+from model_support.validation.stages.train_inference_mismatch import TrainInferenceMismatchStage
 from model_support.validation.stages.trainability import TrainabilityStage
 
 BUILTIN_STAGES = (
@@ -14,14 +18,22 @@ BUILTIN_STAGES = (
     LoraCoverageStage,
     PackedPositionIdsStage,
     TrainabilityStage,
+    MergedServingStage,
+    NativeVllmLoraStage,
+    ChatTemplateRolloutStage,
+    TrainInferenceMismatchStage,
 )
 
 __all__ = [
     "BUILTIN_STAGES",
     "ArchitectureStage",
+    "ChatTemplateRolloutStage",
     "DependenciesStage",
     "HfParityStage",
     "LoraCoverageStage",
+    "MergedServingStage",
+    "NativeVllmLoraStage",
     "PackedPositionIdsStage",
+    "TrainInferenceMismatchStage",
     "TrainabilityStage",
 ]
