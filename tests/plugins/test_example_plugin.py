@@ -36,34 +36,37 @@ def test_llama_is_listed_from_its_own_distribution(site: Path):
     assert Path(data["reference_config"]).is_relative_to(site)
 
 
-def test_check_tiny_runs_every_stage_on_llama(site: Path, tmp_path: Path):
+MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+
+
+def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Path):
+    # The serving stages (a vLLM server per stage, minutes on CPU) are left to the CI step that runs
+    # the whole `model-support check llama --tiny`; every training-side stage runs here.
     report_path = tmp_path / "llama.json"
-    result = run_cli("check", "llama", "--tiny", "--json", str(report_path), site=site)
+    selection = [arg for stage in MEGATRON_STAGES for arg in ("-s", stage)]
+    result = run_cli("check", "llama", "--tiny", *selection, "--json", str(report_path), site=site)
+    assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(report_path.read_text())
-    status = {r["stage"]: r["status"] for r in report["results"]}
-    assert result.returncode == (1 if "fail" in status.values() else 0), result.stdout + result.stderr
     assert report["handler"] == "llama" and report["handler_origin"] == "model-support-llama 0.1.0"
-    assert status["dependencies"] == "pass" and status["architecture"] == "pass"
-    architecture = next(r for r in report["results"] if r["stage"] == "architecture")
-    assert architecture["metrics"] == {
+    results = {r["stage"]: r for r in report["results"]}
+    assert list(results) == ["dependencies", "architecture", *MEGATRON_STAGES]
+    assert results["dependencies"]["status"] == results["architecture"]["status"] == "pass"
+    assert results["architecture"]["metrics"] == {
         "layers": 2,
         "gdn_layers": 0,
         "attention_layers": 2,
         "experts": 0,
         "lora_targets": 7,
     }
-    # The Megatron stages pass on Llama (megatron-bridge maps it, the standard codec fits), or skip
-    # naming the missing package when the megatron extra is not installed.
-    for stage in ("hf_parity", "lora_coverage", "packed_position_ids", "trainability"):
-        result = next((r for r in report["results"] if r["stage"] == stage), None)
-        if result is None:
-            continue
-        skipped_for_a_package = result["status"] == "skip" and "is not installed" in result["summary"]
-        assert result["status"] == "pass" or skipped_for_a_package, result
-    # Every registered stage reports, and every verdict says why.
-    listed = run_cli("stages", site=site)
-    assert all(f"│ {stage} " in listed.stdout for stage in status)
-    assert all(r["summary"].strip() for r in report["results"])
+    # megatron-bridge maps Llama and the standard codec fits it; without the megatron extra these
+    # stages skip naming the missing package.
+    for stage in MEGATRON_STAGES:
+        verdict = results[stage]
+        assert verdict["status"] == "pass" or (
+            verdict["status"] == "skip" and "is not installed" in verdict["summary"]
+        ), verdict
+        if verdict["status"] == "pass":
+            assert all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
 
 
 def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
