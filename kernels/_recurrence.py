@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ChunkSchedule", "state_recurrence"]
+__all__ = ["ChunkSchedule", "state_recurrence", "to_device"]
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device`` without stalling the host: a plain copy from pageable memory
+    waits for the GPU's queue to drain, one from pinned memory does not."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class ChunkSchedule:
     @classmethod
     def build(cls, chunk_counts: list[int], device: torch.device) -> ChunkSchedule:
         starts = [0, *itertools.accumulate(chunk_counts)]
-        return cls(offsets=torch.tensor(starts, dtype=torch.long, device=device), counts=tuple(chunk_counts))
+        return cls(offsets=to_device(starts, device), counts=tuple(chunk_counts))
 
     @functools.cached_property
     def steps(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor], ...]:
@@ -48,11 +57,8 @@ class ChunkSchedule:
         steps = []
         for j in range(max(self.counts, default=0)):
             active = [s for s, n in enumerate(self.counts) if n > j]
-            chunks = torch.tensor([starts[s] + j for s in active], dtype=torch.long, device=device)
-            if len(active) == len(self.counts):
-                steps.append((None, chunks))
-            else:
-                steps.append((torch.tensor(active, dtype=torch.long, device=device), chunks))
+            chunks = to_device([starts[s] + j for s in active], device)
+            steps.append((None if len(active) == len(self.counts) else to_device(active, device), chunks))
         return tuple(steps)
 
 

@@ -32,9 +32,12 @@ def _forward_kernel(
     H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    # Value blocks of one (sequence, head) are adjacent programs: they read the same w and kd
+    # tiles, which then come from L2 instead of memory.
+    pid = tl.program_id(0)
+    i_v = pid % (V // BV)
+    i_h = (pid // (V // BV)) % H
+    i_s = pid // ((V // BV) * H)
     first = tl.load(offsets + i_s)
     last = tl.load(offsets + i_s + 1)
     o_c = tl.arange(0, C)
@@ -63,9 +66,12 @@ def _backward_kernel(
     H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    # Value blocks of one (sequence, head) are adjacent programs: they read the same w and kd
+    # tiles, which then come from L2 instead of memory.
+    pid = tl.program_id(0)
+    i_v = pid % (V // BV)
+    i_h = (pid // (V // BV)) % H
+    i_s = pid // ((V // BV) * H)
     first = tl.load(offsets + i_s)
     last = tl.load(offsets + i_s + 1)
     o_c = tl.arange(0, C)
@@ -91,9 +97,9 @@ def _backward_kernel(
     tl.store(ds0 + seq_head * K * V + kv, grad_state)
 
 
-def _grid(n_seq: int, heads: int, v_dim: int) -> tuple[tuple[int, int, int], int]:
+def _grid(n_seq: int, heads: int, v_dim: int) -> tuple[tuple[int], int]:
     block_v = min(BLOCK_V, v_dim)
-    return (n_seq, heads, v_dim // block_v), block_v
+    return (n_seq * heads * (v_dim // block_v),), block_v
 
 
 def forward(

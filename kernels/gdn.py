@@ -20,12 +20,13 @@ all sequences. All exponents are <= 0, so nothing overflows.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from model_support.kernels._recurrence import ChunkSchedule, state_recurrence
+from model_support.kernels._recurrence import ChunkSchedule, state_recurrence, to_device
 from model_support.kernels.backend import BackendChoice, check_backend, select_backend
 from model_support.kernels.reference import l2norm
 
@@ -45,20 +46,24 @@ class _ChunkLayout:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, heads: int, chunk: int) -> _ChunkLayout:
-        cu = cu_seqlens.long()
-        lengths = (cu[1:] - cu[:-1]).tolist()
+        # The one device-to-host synchronisation of a call (none when cu_seqlens is on the CPU).
+        bounds = cu_seqlens.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
         if any(n < 0 for n in lengths):
             raise ValueError("cu_seqlens must be non-decreasing")
         counts = [-(-n // chunk) for n in lengths]
-        schedule = ChunkSchedule.build(counts, cu.device)
-        seq = torch.repeat_interleave(
-            torch.arange(len(lengths), device=cu.device), torch.tensor(lengths, device=cu.device)
-        )
-        offset = torch.arange(seq.numel(), device=cu.device) - cu[seq]
-        chunk_id = schedule.offsets[seq] + offset // chunk
-        head = torch.arange(heads, device=cu.device)
+        starts = [0, *itertools.accumulate(counts)]
+        n_seq, n_valid = len(lengths), bounds[-1]
+        device = cu_seqlens.device
+        table = to_device([*bounds, *starts, *lengths], device)  # one host-to-device copy
+        cu, chunk_starts, seq_lengths = table[: n_seq + 1], table[n_seq + 1 : 2 * n_seq + 2], table[2 * n_seq + 2 :]
+        seq = torch.repeat_interleave(torch.arange(n_seq, device=device), seq_lengths, output_size=n_valid)
+        offset = torch.arange(n_valid, device=device) - cu[seq]
+        chunk_id = chunk_starts[seq] + offset // chunk
+        head = torch.arange(heads, device=device)
         dest = ((chunk_id[:, None] * heads + head) * chunk + (offset % chunk)[:, None]).reshape(-1)
-        return cls(dest=dest, n_chunks=sum(counts), heads=heads, schedule=schedule)
+        schedule = ChunkSchedule(offsets=chunk_starts, counts=tuple(counts))
+        return cls(dest=dest, n_chunks=starts[-1], heads=heads, schedule=schedule)
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``[T, H, *D]`` -> contiguous ``[n_chunks, H, C, *D]``, zeros where no token sits."""
