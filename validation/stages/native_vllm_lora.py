@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from typing import Any, ClassVar
 
 from model_support.core.serving.errors import ServingError
@@ -30,13 +31,14 @@ print(json.dumps({"class": None if cls is None else cls.__name__,
 """
 
 
-def lora_probe(architecture: str) -> dict[str, Any]:
-    """What the installed vLLM declares about LoRA for ``architecture`` (run in the runtime venv)."""
+def lora_probe(architecture: str, cwd: Path) -> dict[str, Any]:
+    """What the installed vLLM declares about LoRA for ``architecture`` (run in the runtime venv, in ``cwd``:
+    ``python -c`` puts the working directory on sys.path, which must not hold this project's folders)."""
     from model_support.core.serving.runtime import load_runtime
 
     runtime = load_runtime()
     proc = subprocess.run(
-        [runtime.python, "-c", _PROBE, architecture], capture_output=True, text=True, timeout=600, check=False
+        [runtime.python, "-c", _PROBE, architecture], capture_output=True, text=True, timeout=600, check=False, cwd=cwd
     )
     if proc.returncode != 0:
         raise ServingError(f"vLLM LoRA probe failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -54,14 +56,14 @@ class NativeVllmLoraStage(Stage):
     prompts, prompt_len = 2, 24
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core.serving.session import backend
+        from model_support.core.serving.session import backend, serving_workdir
 
         declared = ctx.spec.vllm_lora
         arch = ctx.config.architectures[0]
         version = backend().version()
         if declared.native:
             return self._serve_adapter(ctx)
-        probe = lora_probe(arch)
+        probe = lora_probe(arch, serving_workdir(ctx))
         if not probe["supports_lora"]:
             return self.skipped(
                 f"merged-only: {declared.reason} (confirmed: vLLM {version}'s {probe['class']} does not implement "
