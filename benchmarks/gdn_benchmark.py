@@ -16,7 +16,9 @@ forward) against the float64 token recurrence, then times, in one process:
 * shared prefix: G=8 completions of C=512 tokens over a P=2048 prompt, fwd+bwd, shared vs
   naive packing (G rows of P + C), against the ideal ratio (P + G*C) / (G*(P + C)).
 
-Each time is the median of ``triton.testing.do_bench``; ratios come from this one run.
+Each time is the median of ``triton.testing.do_bench``; ratios come from this one run. For
+the shared-prefix case it also sums the GPU kernel time of one step (profiler), which shows
+how much of the wall time is the host issuing work.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from model_support.kernels import GDNInputs, chunk_gated_delta_rule, select_backend, shared_prefix_gated_delta_rule
@@ -108,6 +111,17 @@ def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Calla
 
 def bench(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=100, rep=500, return_mode="median"))
+
+
+def kernel_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Summed GPU kernel time of one call (profiler), without the host's share of the wall time."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000.0 / repeats
 
 
 N_SEQ, SEQ_LEN, HEADS, DIM = 16, 2048, 16, 128
@@ -199,6 +213,8 @@ def shared_prefix_benchmark(times: dict[str, float]) -> tuple[float, float]:
 
     times["shared-prefix fwd+bwd"] = bench(fwd_bwd(shared, [*prefix, *completions]))
     times["naive packing fwd+bwd"] = bench(fwd_bwd(naive, list(rows)))
+    times["shared-prefix fwd+bwd, GPU kernels only"] = kernel_ms(fwd_bwd(shared, [*prefix, *completions]))
+    times["naive packing fwd+bwd, GPU kernels only"] = kernel_ms(fwd_bwd(naive, list(rows)))
     ideal = (prompt + n_comp * comp) / (n_comp * (prompt + comp))
     return times["shared-prefix fwd+bwd"] / times["naive packing fwd+bwd"], ideal
 
@@ -248,6 +264,8 @@ def main() -> None:
         "shared / naive fwd+bwd time": shared_ratio,
         "ideal shared / naive": ideal,
         "shared / ideal": shared_ratio / ideal,
+        "shared / naive GPU kernel time": times["shared-prefix fwd+bwd, GPU kernels only"]
+        / times["naive packing fwd+bwd, GPU kernels only"],
     }
     print("\ntimes (ms, median):")
     for key, value in times.items():
