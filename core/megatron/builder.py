@@ -13,6 +13,7 @@ gate/up merge, per-expert mappings, GDN in_proj / conv1d / zero-centred norms). 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +158,7 @@ def build_megatron_model(model_dir: Path, config: Any, *, tensor_parallel: int =
     from megatron.bridge import AutoBridge
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    tcfg = text_config(config)
+    tcfg = copy.deepcopy(text_config(config))
     tcfg.architectures = [_text_architecture(config)]
     try:
         model_bridge = AutoBridge.from_hf_config(tcfg)._model_bridge
