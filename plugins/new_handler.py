@@ -69,22 +69,18 @@ def template_context(
     except ValueError as exc:
         raise NewHandlerError(f"{config}: cannot read the layer layout ({exc})") from None
     architecture = source.architectures[0]
-    gdn = bool(layout.gdn_layers)
     return {
         "handler_name": name,
         "description": (description or f"{architecture} ({source.model_type}).").replace('"', "'"),
         "architecture": architecture,
         "model_type": source.model_type,
         "topology": "moe" if layout.moe else "dense",
-        "linear_attention": gdn,
+        "linear_attention": bool(layout.gdn_layers),
         "shared_expert": bool(layout.moe and layout.moe.has_shared_expert),
         "disable_mtp_for_training": layout.mtp_layers > 0,
-        "vllm_lora_native": not gdn,
-        "vllm_lora_reason": (
-            "vLLM packs the GDN projections differently from the HF module names of a PEFT adapter"
-            if gdn
-            else f"vLLM's {architecture} implements SupportsLoRA"
-        ),
+        # The native_vllm_lora stage holds this to account against the installed vLLM.
+        "vllm_lora_native": True,
+        "vllm_lora_reason": f"vLLM's {architecture} implements SupportsLoRA",
         "transformers_floor": _transformers_floor(source.raw_config),
         "author": author,
         "_reference_config_json": json.dumps(source.raw_config, indent=2),

@@ -107,7 +107,7 @@ def test_gdn_moe_config_gives_the_builtin_qwen3_5_moe_declaration(tmp_path: Path
     # From nothing but the Qwen3.5-35B-A3B config.json, the template writes what the built-in handler declares.
     context = template_context(str(QWEN3_5_MOE.reference_config), name="q35moe")
     assert (context["topology"], context["linear_attention"], context["shared_expert"]) == ("moe", True, True)
-    assert context["disable_mtp_for_training"] is True and context["vllm_lora_native"] is False
+    assert context["disable_mtp_for_training"] is True and context["vllm_lora_native"] is True
     handler = load_handler(generate(context, tmp_path))
     assert handler.lora_targets == QWEN3_5_MOE.lora_targets
     assert (handler.topology, handler.linear_attention, handler.runtime) == (
