@@ -49,6 +49,10 @@ class LoraLinear(torch.nn.Module):
 
         if not isinstance(base, ColumnParallelLinear | RowParallelLinear):
             raise LoraError(f"LoRA wraps ColumnParallelLinear / RowParallelLinear, not {type(base).__name__}")
+        if getattr(base, "explicit_expert_comm", False):
+            # Expert linears under expert tensor parallelism leave their communication to the token
+            # dispatcher; the LoRA branch's copy/reduce would double it. Not supported yet.
+            raise LoraError("LoRA on expert linears with expert tensor parallelism > 1 is not supported")
         self.base = base
         self.column = isinstance(base, ColumnParallelLinear)
         self.group = base.tp_group
