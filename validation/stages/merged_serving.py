@@ -4,7 +4,8 @@ The policy adapter (Megatron's from ``lora_coverage`` when that ran, else a seed
 merged into the checkpoint by the streaming exporter, a vLLM server is started on the export (``<handler>@0``,
 reused by the later serving stages), and the prompt log-probabilities of a few random prompts, plus the greedy
 next token, are compared with transformers carrying the same adapter. Tolerances: fp32 serving must agree to
-float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the tolerance is bf16's.
+float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the tolerance is bf16's. The handler's
+``vllm`` floors (``DependencyFloor(..., extra="serve")``) are held against the runtime's vLLM version.
 """
 
 from __future__ import annotations
@@ -52,9 +53,17 @@ class MergedServingStage(Stage):
 
     def run(self, ctx: CheckContext) -> StageResult:
         import torch
+        from packaging.version import Version
 
         from model_support.core.serving import session
 
+        version = session.backend().version()
+        for floor in ctx.spec.dependencies:
+            if floor.extra == "serve" and floor.package == "vllm" and Version(version) < Version(floor.minimum):
+                return self.failed(
+                    f"the vLLM runtime has {version} < {floor.minimum} ({floor.reason}); "
+                    f"run `model-support runtime install --version {floor.minimum}` or newer"
+                )
         adapter, origin = session.policy_adapter(ctx)
         merged = session.merged_export(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)

