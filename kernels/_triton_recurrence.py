@@ -4,10 +4,13 @@ One program owns one sequence, one head and ``BV`` value columns of the ``[K, V]
 keeps that slice of the state in registers and walks the sequence's chunks in order
 (backward: in reverse). Value columns never interact in this recurrence, so the split over
 ``V`` needs no communication. Dots run as ``tf32x3`` (three tensor-core passes, float32
-accuracy: the state is carried over many chunks and plain tf32 rounding would accumulate);
-on the H100 that measured about 2x faster than ``ieee`` and as fast as plain ``tf32``
-(``benchmarks/gdn_profile.py``). One pipeline stage: deeper software pipelining of the
-``[C, K]`` float32 tiles needs more shared memory than a program should hold.
+accuracy: the state is carried over many chunks and plain tf32's 1e-3 error would
+accumulate). On the H100 (Triton 3.6), per ``benchmarks/gdn_profile.py``: about 10x faster
+than ``ieee`` and about 10% slower than plain ``tf32``; ``BV = 32`` with 4 warps and one
+pipeline stage was the fastest setting for 16 x 32 chunks (deeper pipelining of the
+``[C, K]`` float32 tiles asks for more shared memory than a program may hold). ``tf32x3``
+with ``BV = 16`` and 8 warps made an illegal memory access there, twice: rerun that script
+(it checks every setting against the torch loop) before changing these constants.
 
 Imported only when that path is taken, so CPU-only installs never import Triton.
 """
