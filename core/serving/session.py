@@ -123,14 +123,16 @@ def trainer_logprobs(ctx: CheckContext, adapter: Path, sequences: list[list[int]
     """Per-position log-softmax of the transformers policy (base + adapter) for each token sequence."""
     from model_support.core.megatron.hf_reference import adapter_logits
 
-    out = []
+    by_length: dict[int, list[int]] = {}
     for i, seq in enumerate(sequences):
-        work = serving_workdir(ctx) / f"hf-reference-{i}"
-        logits = adapter_logits(
-            ctx.model_dir, ctx.config, adapter, torch.tensor([seq]), work, method=adapter_method(ctx)
-        )
-        out.append(torch.log_softmax(logits[0].double(), dim=-1))
-    return out
+        by_length.setdefault(len(seq), []).append(i)
+    out: dict[int, torch.Tensor] = {}
+    for length, rows in by_length.items():  # one forward per length: no padding, one model load
+        batch = torch.tensor([sequences[i] for i in rows])
+        work = serving_workdir(ctx) / f"hf-reference-{length}"
+        logits = adapter_logits(ctx.model_dir, ctx.config, adapter, batch, work, method=adapter_method(ctx))
+        out.update(zip(rows, torch.log_softmax(logits.double(), dim=-1), strict=True))
+    return [out[i] for i in range(len(sequences))]
 
 
 def token_logprobs(logprobs: torch.Tensor, seq: list[int], start: int) -> torch.Tensor:
