@@ -30,26 +30,32 @@ NUM_STAGES = 1
 
 
 @triton.jit
-def _forward_kernel(
-    u, w, kd, gamma, s0, d, s_start, s_final, offsets,
-    H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
+def _program_tiles(offsets, H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """This program's head, chunk range, state row (int64) and tile offsets in [K, V], [C, K], [C, V]."""
     # Value blocks of one (sequence, head) are adjacent programs: they read the same w and kd
     # tiles, which then come from L2 instead of memory.
     pid = tl.program_id(0)
     i_v = pid % (V // BV)
     i_h = (pid // (V // BV)) % H
     i_s = pid // ((V // BV) * H)
-    first = tl.load(offsets + i_s)
-    last = tl.load(offsets + i_s + 1)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     kv = o_k[:, None] * V + o_v[None, :]
     ck = o_c[:, None] * K + o_k[None, :]
     cv = o_c[:, None] * V + o_v[None, :]
-    seq_head = (i_s * H + i_h).to(tl.int64)
+    first = tl.load(offsets + i_s)
+    last = tl.load(offsets + i_s + 1)
+    return i_h, first, last, (i_s * H + i_h).to(tl.int64), kv, ck, cv
+
+
+@triton.jit
+def _forward_kernel(
+    u, w, kd, gamma, s0, d, s_start, s_final, offsets,
+    H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_h, first, last, seq_head, kv, ck, cv = _program_tiles(offsets, H, C, K, V, BV)
     state = tl.load(s0 + seq_head * K * V + kv)
     for c in range(first, last):
         base = c * H + i_h  # int64: the bounds are loaded from int64 offsets
@@ -69,21 +75,7 @@ def _backward_kernel(
     H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Value blocks of one (sequence, head) are adjacent programs: they read the same w and kd
-    # tiles, which then come from L2 instead of memory.
-    pid = tl.program_id(0)
-    i_v = pid % (V // BV)
-    i_h = (pid // (V // BV)) % H
-    i_s = pid // ((V // BV) * H)
-    first = tl.load(offsets + i_s)
-    last = tl.load(offsets + i_s + 1)
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    kv = o_k[:, None] * V + o_v[None, :]
-    ck = o_c[:, None] * K + o_k[None, :]
-    cv = o_c[:, None] * V + o_v[None, :]
-    seq_head = (i_s * H + i_h).to(tl.int64)
+    i_h, first, last, seq_head, kv, ck, cv = _program_tiles(offsets, H, C, K, V, BV)
     grad_state = tl.load(ds_final + seq_head * K * V + kv)
     for i in range(0, last - first):
         base = (last - 1 - i) * H + i_h

@@ -8,12 +8,14 @@ Backends (all take the same arguments, see :mod:`model_support.kernels.gdn`):
     backward (``chunk_bwd_dqkwg``) on Hopper with Triton in [3.4.0, 3.7.1) because that
     compiler produces wrong results there; forward-only use is unaffected.
 ``chunked-triton``
-    Our chunked formulation: the work inside each chunk as batched torch operations, the
-    chunk-to-chunk state recurrence (forward and hand-written backward) as our own Triton
-    kernels. Chosen on CUDA when fla is absent or refused and Triton is importable.
+    Our chunked formulation: the work inside each chunk as batched torch operations
+    (``torch.compile``-d on CUDA), the chunk-to-chunk state recurrence (forward and
+    hand-written backward) as our own Triton kernels. Chosen on CUDA when fla is absent or
+    refused and Triton is importable.
 ``torch-chunked``
-    The same formulation with the recurrence as a torch loop. Runs on any device and in
-    float64; the CPU default.
+    The same formulation with the recurrence as a torch loop (the intra-chunk stage is
+    compiled only where Triton is there for inductor). Runs on any device and in float64;
+    the CPU default.
 
 Versions are read from package metadata: selecting a backend imports neither fla nor Triton.
 """

@@ -20,6 +20,7 @@ all sequences. All exponents are <= 0, so nothing overflows.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,9 +124,12 @@ def _compiled_intra_chunk() -> Callable[..., tuple[torch.Tensor, ...]]:
 
 
 def _intra_chunk_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """On CUDA, ``_intra_chunk`` through ``torch.compile`` (its dozen elementwise passes over
-    ``[n_chunks, HV, C, C]`` tensors fuse); eager elsewhere. Compiled once, dynamic shapes."""
-    return _compiled_intra_chunk() if device.type == "cuda" else _intra_chunk
+    """On CUDA with Triton (which inductor needs), ``_intra_chunk`` through ``torch.compile``:
+    its dozen elementwise passes over ``[n_chunks, HV, C, C]`` tensors fuse. Eager elsewhere.
+    Compiled once, with dynamic shapes."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return _compiled_intra_chunk()
+    return _intra_chunk
 
 
 def run_chunked(

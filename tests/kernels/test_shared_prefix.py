@@ -9,7 +9,7 @@ from model_support.kernels import GDNInputs, chunk_gated_delta_rule, shared_pref
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 def test_shared_prefix_outputs_and_gradients_match_unshared() -> None:
