@@ -50,8 +50,8 @@ class _ChunkLayout:
         # The one device-to-host synchronisation of a call (none when cu_seqlens is on the CPU).
         bounds = cu_seqlens.tolist()
         lengths = [b - a for a, b in itertools.pairwise(bounds)]
-        if any(n < 0 for n in lengths):
-            raise ValueError("cu_seqlens must be non-decreasing")
+        if not bounds or bounds[0] != 0 or any(n < 0 for n in lengths):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
         counts = [-(-n // chunk) for n in lengths]
         starts = [0, *itertools.accumulate(counts)]
         n_seq, n_valid = len(lengths), bounds[-1]

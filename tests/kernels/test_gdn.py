@@ -140,6 +140,9 @@ def test_invalid_arguments_are_refused() -> None:
         chunk_gated_delta_rule(*(x.reshape(2, 4, *x.shape[2:]) for x in ys[:5]), cu_seqlens=_cu([4, 4]))
     with pytest.raises(ValueError, match="shape mismatch"):
         chunk_gated_delta_rule(ys[0], ys[1][:, :4], *ys[2:5])
+    for cu in ([2, 5, 8], [0, 5, 3]):
+        with pytest.raises(ValueError, match="start at 0 and be non-decreasing"):
+            chunk_gated_delta_rule(*ys[:5], cu_seqlens=torch.tensor(cu))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
