@@ -27,7 +27,9 @@ from model_support.core.layout import text_config
 from model_support.core.megatron.dist import device, init_parallel
 from model_support.core.megatron.imports import import_bridge
 
-_CPU_OFF = (
+# Fusions that need transformer-engine, apex or megatron's CUDA extensions, none of which the local spec
+# path assumes (on CPU none of them could run at all).
+_FUSIONS_OFF = (
     "gradient_accumulation_fusion",
     "bias_activation_fusion",
     "bias_dropout_fusion",
@@ -128,11 +130,9 @@ def _text_architecture(config: Any) -> str:
 
 
 def _configure(provider: Any, tensor_parallel: int, *, gdn: bool) -> None:
-    on_cpu = not torch.cuda.is_available()
-    if on_cpu:
-        for name in _CPU_OFF:
-            setattr(provider, name, False)
-    provider.use_cpu_initialization = on_cpu
+    for name in _FUSIONS_OFF:
+        setattr(provider, name, False)
+    provider.use_cpu_initialization = not torch.cuda.is_available()
     provider.perform_initialization = False
     provider.params_dtype = torch.float32
     provider.bf16 = False

@@ -65,12 +65,14 @@ class _GatherVocab(torch.autograd.Function):
 
 
 def logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, S, V] logits (full vocabulary on every tensor-parallel rank).
+    """[B, S, V] fp32 logits on the model's device (full vocabulary on every tensor-parallel rank).
 
     ``position_ids`` given: ``input_ids`` is one packed row ([1, S]) and sequences restart at position 0.
     """
     from megatron.core import parallel_state
 
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
     batch, total = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(total, device=input_ids.device).expand(batch, total)
@@ -78,7 +80,8 @@ def logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.
     else:
         if batch != 1:
             raise ValueError(f"a packed row has batch size 1, got {batch}")
-        cu_seqlens = cu_seqlens_from_position_ids(position_ids[0]).to(input_ids.device)
+        position_ids = position_ids.to(device)
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids[0])
         mask = packed_causal_mask(cu_seqlens, total)
     with gdn_packing(model, cu_seqlens):
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)

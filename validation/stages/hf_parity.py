@@ -36,7 +36,7 @@ class HfParityStage(Stage):
         built = megatron_model(ctx)
         tokens = random_tokens(ctx, (self.batch, self.seq_len))
         with torch.no_grad():
-            ours = logits(built.model, tokens)
+            ours = logits(built.model, tokens).cpu()
         ref = hf_logits(load_hf_model(ctx.model_dir, ctx.config), tokens)
         diff = (ours - ref).abs()
         metrics = {

@@ -88,7 +88,8 @@ class LoraCoverageStage(Stage):
         tokens = random_tokens(ctx, (self.batch, self.seq_len), offset=1)
         model.zero_grad(set_to_none=True)
         out = logits(model, tokens)
-        torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        labels = tokens[:, 1:].flatten().to(out.device)
+        torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), labels).backward()
         lora_params = {n: p for n, p in model.named_parameters() if ".lora_" in n}
         zero_grad = sorted(n for n, p in lora_params.items() if p.grad is None or not p.grad.abs().sum() > 0)
         trainable_base = sorted(n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n)
@@ -114,7 +115,7 @@ class LoraCoverageStage(Stage):
         )
 
         with torch.no_grad():
-            ours = logits(model, tokens)
+            ours = logits(model, tokens).cpu()
         method = "merged" if spec.targets(TargetScope.EXPERT) else "peft"
         ref = adapter_logits(ctx.model_dir, ctx.config, adapter_dir, tokens, ctx.workdir, method=method)
         metrics = {
@@ -127,7 +128,7 @@ class LoraCoverageStage(Stage):
             "peft_tensors": len(peft),
             "roundtrip_mismatches": mismatches,
             "adapter_logits_max_abs_err": (ours - ref).abs().max().item(),
-            "adapter_effect": (ours - logits_without_lora(model, tokens)).abs().max().item(),
+            "adapter_effect": (ours - logits_without_lora(model, tokens).cpu()).abs().max().item(),
             "hf_adapter_method": method,
         }
         details.append(f"adapter written to {adapter_dir} ({len(peft)} tensors), applied on transformers by {method}")
@@ -145,8 +146,8 @@ class LoraCoverageStage(Stage):
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module.rsplit(".", 1)[-1] in _FUSED and ".lora_" not in name:
                 module = module.replace(".base", "")
-                fake[f"{module}.lora_B.weight"] = param.detach()
-                fake[f"{module}.lora_A.weight"] = param.new_zeros((1, param.shape[1]))
+                fake[f"{module}.lora_B.weight"] = param.detach().cpu()
+                fake[f"{module}.lora_A.weight"] = torch.zeros(1, param.shape[1])
         peft = ctx.spec.codec.to_peft(fake, ctx.config, ctx.layout)
         worst = 0.0
         prefix = PEFT_PREFIX + hf_layers_prefix(ctx.config)

@@ -44,7 +44,7 @@ class PackedPositionIdsStage(Stage):
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
         def loss_of(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(out[0, :-1], tokens[0, 1:], reduction="sum")
+            return torch.nn.functional.cross_entropy(out[0, :-1], tokens[0, 1:].to(out.device), reduction="sum")
 
         model.zero_grad(set_to_none=True)
         packed = logits(model, row, positions)

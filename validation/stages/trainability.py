@@ -64,6 +64,7 @@ class TrainabilityStage(Stage):
         choices = torch.tensor([answers["yes"], answers["no"]])
         targets = torch.tensor([0 if a == "yes" else 1 for _, a in QUESTIONS])
 
+        device = next(model.parameters()).device
         base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
@@ -72,10 +73,10 @@ class TrainabilityStage(Stage):
         try:
             for _ in range(self.steps + 1):
                 optimizer.zero_grad(set_to_none=True)
-                out = logits(model, row, positions)[0, ends][:, choices]
-                loss = torch.nn.functional.cross_entropy(out, targets)
+                out = logits(model, row, positions)[0, ends.to(device)][:, choices.to(device)]
+                loss = torch.nn.functional.cross_entropy(out, targets.to(device))
                 losses.append(loss.item())
-                accuracy = (out.argmax(-1) == targets).float().mean().item()
+                accuracy = (out.argmax(-1) == targets.to(device)).float().mean().item()
                 if len(losses) <= self.steps:
                     loss.backward()
                     optimizer.step()
