@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -13,30 +12,27 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_parallel(tensor_parallel: int = 1) -> None:
     """Initialise the process group (once) and Megatron's model-parallel groups for ``tensor_parallel``.
 
-    A single process without a launcher gets a world of one. Under torchrun (or
-    :func:`model_support.core.megatron.launch.spawn`) the usual RANK / WORLD_SIZE variables are used.
-    Calling again with another tensor-parallel size rebuilds the Megatron groups.
+    Under a launcher (torchrun) the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are
+    used. A world of one (no launcher) needs no rendezvous: it gets an in-process store, so it binds no
+    port and leaves nothing in the environment for child processes to inherit (a child that reused a
+    parent's MASTER_PORT would fail with EADDRINUSE). Calling again with another tensor-parallel size
+    rebuilds the Megatron groups.
     """
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # a launcher sets it for multi-process runs
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        if world == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
             return
