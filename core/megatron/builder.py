@@ -129,7 +129,7 @@ def _text_architecture(config: Any) -> str:
     return arch.replace("ForConditionalGeneration", "ForCausalLM")
 
 
-def _configure(provider: Any, tensor_parallel: int, *, gdn: bool) -> None:
+def _configure(provider: Any, tensor_parallel: int, *, gdn: bool, mtp: bool) -> None:
     for name in _FUSIONS_OFF:
         setattr(provider, name, False)
     provider.use_cpu_initialization = not torch.cuda.is_available()
@@ -139,8 +139,8 @@ def _configure(provider: Any, tensor_parallel: int, *, gdn: bool) -> None:
     provider.fp16 = False
     provider.tensor_model_parallel_size = tensor_parallel
     provider.sequence_parallel = False
-    # Training never builds the multi-token-prediction head.
-    provider.mtp_num_layers = None
+    if not mtp:  # the bridge sets it from the config (top level or text_config, either field name)
+        provider.mtp_num_layers = None
     if provider.num_moe_experts:
         provider.moe_grouped_gemm = False  # SequentialMLP: per-expert linear modules (local spec)
         provider.moe_token_dispatcher_type = "allgather"  # alltoall allocates a CUDA stream
@@ -151,8 +151,12 @@ def _configure(provider: Any, tensor_parallel: int, *, gdn: bool) -> None:
     provider.transformer_layer_spec = hybrid_block_spec if gdn else gpt_layer_spec
 
 
-def build_megatron_model(model_dir: Path, config: Any, *, tensor_parallel: int = 1) -> MegatronModel:
-    """Build the language model of ``model_dir`` in megatron-core and load its weights through the bridge."""
+def build_megatron_model(model_dir: Path, config: Any, *, tensor_parallel: int = 1, mtp: bool = False) -> MegatronModel:
+    """Build the language model of ``model_dir`` in megatron-core and load its weights through the bridge.
+
+    ``mtp=False`` (training with a handler whose runtime policy disables MTP) builds no multi-token
+    prediction layers whatever the config declares.
+    """
     import_bridge()
     init_parallel(tensor_parallel)
     from megatron.bridge import AutoBridge
@@ -168,7 +172,8 @@ def build_megatron_model(model_dir: Path, config: Any, *, tensor_parallel: int =
     shim = SimpleNamespace(config=tcfg, state=checkpoint, generation_config=None)
     model_bridge.hf_pretrained = shim
     provider = model_bridge.provider_bridge(shim)
-    _configure(provider, tensor_parallel, gdn=provider.experimental_attention_variant == "gated_delta_net")
+    gdn = provider.experimental_attention_variant == "gated_delta_net"
+    _configure(provider, tensor_parallel, gdn=gdn, mtp=mtp)
     provider.finalize()
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(0)

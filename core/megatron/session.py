@@ -29,7 +29,8 @@ def megatron_model(ctx: Any) -> MegatronModel:
     """The run's Megatron model, built on first use (``build_s`` records the conversion time)."""
     if MODEL_KEY not in ctx.artifacts:
         start = time.perf_counter()
-        built = build_megatron_model(ctx.model_dir, ctx.config)
+        mtp = bool(ctx.layout.mtp_layers) and not ctx.spec.runtime.disable_mtp_for_training
+        built = build_megatron_model(ctx.model_dir, ctx.config, mtp=mtp)
         built.model.eval()
         ctx.artifacts[MODEL_KEY] = built
         ctx.artifacts["megatron_build_s"] = time.perf_counter() - start

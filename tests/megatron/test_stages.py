@@ -21,6 +21,9 @@ def test_hf_parity(megatron_report, handler: str) -> None:
     assert result.metrics["max_abs_err"] < 1e-4
     assert result.metrics["rel_err"] < 1e-4
     assert result.metrics["mapped_params"] > 10
+    # Qwen3.5 replicas declare one MTP layer (text_config.mtp_num_hidden_layers); training builds none.
+    assert result.metrics["config_mtp_layers"] == (1 if handler.startswith("qwen3.5") else 0)
+    assert result.metrics["mtp_layers_built"] == 0
 
 
 @pytest.mark.parametrize("handler", HANDLER_NAMES)

@@ -45,10 +45,15 @@ class HfParityStage(Stage):
             "mean_abs_err": diff.mean().item(),
             "tokens": tokens.numel(),
             "mapped_params": len(built.mapped),
+            "config_mtp_layers": ctx.layout.mtp_layers,
+            "mtp_layers_built": sum(
+                1 for n, _ in built.model.named_modules() if n.startswith("mtp.layers.") and n.count(".") == 2
+            ),
             "build_s": round(ctx.artifacts.get("megatron_build_s", 0.0), 3),
         }
         details = [
             f"bridge {type(built.bridge).__name__}, {len(built.mapped)} Megatron parameters filled by its mappings",
-            f"MTP layers built: {built.provider.mtp_num_layers or 0}",
+            f"MTP: {ctx.layout.mtp_layers} layer(s) in the config, {metrics['mtp_layers_built']} built "
+            f"(runtime policy disable_mtp_for_training={ctx.spec.runtime.disable_mtp_for_training})",
         ]
         return self.judge(metrics, self.thresholds, f"max |Δlogit| {metrics['max_abs_err']:.2e}", details)
