@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from model_support.core.codecs import PEFT_PREFIX, CodecError, load_peft_adapter
 from model_support.core.serving.errors import ExportError
 
 INDEX = "model.safetensors.index.json"
-PEFT_PREFIX = "base_model.model."
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
@@ -51,17 +51,12 @@ def base_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def adapter_deltas(adapter_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """``{"<module>.weight": (A, B, scale)}`` from a PEFT LoRA adapter directory."""
-    from safetensors.torch import load_file
-
-    config_path, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
-    if not config_path.exists() or not weights.exists():
-        raise ExportError(
-            f"{adapter_dir} is not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors)"
-        )
-    config = json.loads(config_path.read_text())
+    try:
+        config, tensors = load_peft_adapter(Path(adapter_dir))
+    except CodecError as exc:
+        raise ExportError(str(exc)) from exc
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = load_file(str(weights))
     out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for key, lora_a in tensors.items():
         if not key.endswith(".lora_A.weight"):

@@ -10,12 +10,12 @@ reused by the later stages, and reaped when the run's process exits.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from model_support.core.codecs import save_peft_adapter
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
 from model_support.core.serving.export import base_tensors, export_merged
 from model_support.core.serving.runtime import load_runtime
@@ -56,8 +56,6 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
 
 def random_adapter(model_dir: Path, target_modules: tuple[str, ...], out_dir: Path, seed: int) -> Path:
     """A PEFT LoRA adapter with random A and B on every 2-D checkpoint weight whose module is a target."""
-    from safetensors.torch import save_file
-
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in base_tensors(model_dir):
@@ -69,20 +67,14 @@ def random_adapter(model_dir: Path, target_modules: tuple[str, ...], out_dir: Pa
             torch.randn(LORA_RANK, in_features, generator=gen) / in_features**0.5
         )
         tensors[f"base_model.model.{module}.lora_B.weight"] = 0.05 * torch.randn(out_features, LORA_RANK, generator=gen)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(model_dir),
-        "r": LORA_RANK,
-        "lora_alpha": LORA_ALPHA,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "target_modules": sorted(target_modules),
-    }
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    return out_dir
+    return save_peft_adapter(
+        out_dir,
+        tensors,
+        rank=LORA_RANK,
+        alpha=LORA_ALPHA,
+        target_modules=list(target_modules),
+        base_model=str(model_dir),
+    )
 
 
 def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
