@@ -152,9 +152,20 @@ def _tolerances(stage: type[Any]) -> list[str]:
                 continue
             if isinstance(value, int | float) and not isinstance(value, bool):
                 found.append(f"`{prefix}{name}` = {value:g}")
-            elif isinstance(value, dict) and value and all(isinstance(v, int | float) for v in value.values()):
-                found.append(f"`{prefix}{name}`: " + ", ".join(f"{k} <= {v:g}" for k, v in value.items()))
+            elif _is_limits(value):
+                found.append(f"`{prefix}{name}`: {_limits(value)}")
+            elif isinstance(value, dict) and value and all(_is_limits(v) for v in value.values()):
+                # keyed by case (e.g. serving dtype), each a dict of metric -> limit
+                found.append(f"`{prefix}{name}`: " + "; ".join(f"{k}: {_limits(v)}" for k, v in value.items()))
     return found
+
+
+def _is_limits(value: object) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, int | float) for v in value.values())
+
+
+def _limits(value: dict[str, float]) -> str:
+    return ", ".join(f"{k} <= {v:g}" for k, v in value.items())
 
 
 def _parameters(stage: type[Any]) -> list[str]:
@@ -190,8 +201,9 @@ def stages_page() -> str:
         "`model_support_stages` hook, and `model-support stages` lists what is installed.",
         "",
         "Tolerances listed below are the ones a stage declares: a class attribute or module constant whose",
-        "name contains `threshold` or `tolerance` or ends in `_tol` (a number, or a dict of metric -> limit",
-        "as passed to `Stage.judge`). Each stage's own documentation follows its summary.",
+        "name contains `threshold` or `tolerance` or ends in `_tol` (a number, a dict of metric -> limit",
+        "as passed to `Stage.judge`, or such dicts keyed by case, e.g. the serving dtype). Each stage's own",
+        "documentation follows its summary.",
         "",
     ]
     rows = [(s.order, f"[`{s.name}`](#{s.name})", ", ".join(s.requires) or "-", s.title) for s in stages]

@@ -13,10 +13,15 @@ from __future__ import annotations
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
-from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
+from model_support.validation.stages.merged_serving import cannot_serve
 
-# mean-KL tolerance is the square of the per-token logprob tolerance (k3 ~ delta^2 / 2 for small delta).
-KL_TOLERANCE_FACTOR = 1.0
+# By serving dtype. fp32 serving must agree to round-off. In bf16 the mean is what matters: single tokens can
+# move by a few tenths where bf16 flips an MoE router's top-k choice (measured on the tiny Qwen3.5-MoE: max
+# |delta| 0.25 with mean KL 9e-4; dense Qwen3.5: max 0.04, mean KL 5e-5).
+MISMATCH_TOLERANCE = {
+    "float32": {"abs_delta_logprob_max": 1e-4, "abs_delta_logprob_mean": 1e-5, "kl_mean": 1e-8},
+    "bfloat16": {"abs_delta_logprob_max": 0.5, "abs_delta_logprob_mean": 0.05, "kl_mean": 1e-2},
+}
 
 
 class TrainInferenceMismatchStage(Stage):
@@ -51,7 +56,6 @@ class TrainInferenceMismatchStage(Stage):
             deltas.append(served - session.token_logprobs(ref, seq, len(prompt)))
         delta = torch.cat(deltas)
         k3 = torch.exp(-delta) - 1 + delta
-        tol = logprob_tolerance(server.options.dtype)
         metrics = {
             "kl_mean": k3.mean().item(),
             "kl_max": k3.max().item(),
@@ -63,7 +67,7 @@ class TrainInferenceMismatchStage(Stage):
             else "transformers, merged",
             "serving_dtype": server.options.dtype,
         }
-        thresholds = {"abs_delta_logprob_max": tol, "kl_mean": KL_TOLERANCE_FACTOR * tol**2}
+        thresholds = MISMATCH_TOLERANCE.get(server.options.dtype, MISMATCH_TOLERANCE["bfloat16"])
         return self.judge(
             metrics,
             thresholds,
