@@ -65,6 +65,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
+def note(errors: dict[str, float], key: str, value: float) -> None:
+    """Keep one error and print it at once."""
+    errors[key] = value
+    print(f"  {key:50s} {value:.2e}", flush=True)
+
+
 def correctness() -> dict[str, float]:
     """Relative errors on the GPU against the float64 recurrence (ragged lengths, l2norm on)."""
     lengths = [1, 64, 300, 700]
@@ -74,19 +80,21 @@ def correctness() -> dict[str, float]:
     weight = torch.randn_like(ref_o)
     ref_grads = torch.autograd.grad((ref_o * weight).sum() + ref_s.sum(), x64)
     errors: dict[str, float] = {}
-    for backend in ("chunked-triton", "torch-chunked"):
-        x32 = GDNInputs(*(x.detach().float().requires_grad_() for x in x64))
-        o, s = chunk_gated_delta_rule(*x32, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True, backend=backend)
-        grads = torch.autograd.grad((o * weight.float()).sum() + s.sum(), x32)
-        errors[f"{backend} fp32 output"] = rel(o, ref_o)
-        errors[f"{backend} fp32 final state"] = rel(s, ref_s)
-        errors[f"{backend} fp32 worst grad"] = max(rel(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    runs = [(b, torch.float32) for b in ("fla-hybrid", "chunked-triton", "torch-chunked")]
+    runs += [("fla-hybrid", torch.bfloat16), ("chunked-triton", torch.bfloat16)]
+    for backend, dtype in runs:
+        tag = f"{backend} {'fp32' if dtype == torch.float32 else 'bf16'}"
+        xd = GDNInputs(*(x.detach().to(dtype).requires_grad_() for x in x64))
+        o, s = chunk_gated_delta_rule(*xd, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True, backend=backend)
+        grads = torch.autograd.grad((o.float() * weight.float()).sum() + s.sum(), xd)
+        note(errors, f"{tag} output", rel(o, ref_o))
+        note(errors, f"{tag} final state", rel(s, ref_s))
+        for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, ref_grads, strict=True):
+            note(errors, f"{tag} grad {name}", rel(a, b))
     with torch.no_grad():
         xb = GDNInputs(*(x.detach().bfloat16() for x in x64))
-        o_ours, _ = chunk_gated_delta_rule(*xb, cu_seqlens=cu, use_qk_l2norm=True, backend="chunked-triton")
         o_fla, _ = chunk_gated_delta_rule(*xb, cu_seqlens=cu, use_qk_l2norm=True, backend="fla")
-    errors["chunked-triton bf16 output"] = rel(o_ours, ref_o)
-    errors["fla bf16 forward output"] = rel(o_fla, ref_o)
+    note(errors, "fla bf16 forward output", rel(o_fla, ref_o))
 
     # Shared prefix: our one-pass path against fla's two calls (bf16, forward).
     with torch.no_grad():
@@ -97,7 +105,7 @@ def correctness() -> dict[str, float]:
             prefix, completions, comp_cu, use_qk_l2norm=True, backend="chunked-triton"
         )
         theirs = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend="fla")
-    errors["shared prefix: ours vs fla (bf16)"] = rel(torch.cat(ours[:2], 1), torch.cat(theirs[:2], 1))
+    note(errors, "shared prefix: chunked-triton vs fla (bf16)", rel(torch.cat(ours[:2], 1), torch.cat(theirs[:2], 1)))
     return errors
 
 
@@ -111,6 +119,12 @@ def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Calla
 
 def bench(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=100, rep=500, return_mode="median"))
+
+
+def record(times: dict[str, float], key: str, ms: float) -> None:
+    """Keep one time and print it at once (a run cut short still shows what it measured)."""
+    times[key] = ms
+    print(f"  {key:50s} {ms:9.3f} ms", flush=True)
 
 
 def kernel_ms(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -169,12 +183,13 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
         return lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu, use_qk_l2norm=True, backend=backend)[0]
 
     with torch.no_grad():
-        times["fla fwd"] = bench(ours("fla"))
-        times["chunked-triton fwd"] = bench(ours("chunked-triton"))
-    times["chunked-triton fwd+bwd"] = bench(fwd_bwd(ours("chunked-triton"), leaves))
-    times["torch-chunked fwd+bwd"] = bench(fwd_bwd(ours("torch-chunked"), leaves))
+        record(times, "fla fwd", bench(ours("fla")))
+        record(times, "chunked-triton fwd", bench(ours("chunked-triton")))
+    record(times, "fla-hybrid fwd+bwd", bench(fwd_bwd(ours("fla-hybrid"), leaves)))
+    record(times, "chunked-triton fwd+bwd", bench(fwd_bwd(ours("chunked-triton"), leaves)))
+    record(times, "torch-chunked fwd+bwd", bench(fwd_bwd(ours("torch-chunked"), leaves)))
     torch.backends.cuda.matmul.allow_tf32 = True
-    times["chunked-triton fwd+bwd (tf32 matmuls)"] = bench(fwd_bwd(ours("chunked-triton"), leaves))
+    record(times, "chunked-triton fwd+bwd (tf32 matmuls)", bench(fwd_bwd(ours("chunked-triton"), leaves)))
     torch.backends.cuda.matmul.allow_tf32 = False
     # What fla itself does when asked for a backward here (our policy never asks it).
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
@@ -189,7 +204,7 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
         notes["fla fwd+bwd"] = f"RuntimeError: {err}"
 
 
-def shared_prefix_benchmark(times: dict[str, float]) -> tuple[float, float]:
+def shared_prefix_benchmark(times: dict[str, float], backend: str) -> tuple[float, float]:
     n_comp, prompt, comp, heads, dim = 8, 2048, 512, 16, 128
     prefix = make_inputs(prompt, heads, dim, torch.bfloat16, seed=2, grad=True)
     completions = make_inputs(n_comp * comp, heads, dim, torch.bfloat16, seed=3, grad=True)
@@ -205,18 +220,19 @@ def shared_prefix_benchmark(times: dict[str, float]) -> tuple[float, float]:
     rows_cu = cu_from_lengths([prompt + comp] * n_comp)
 
     def shared() -> torch.Tensor:
-        out = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True)
+        out = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend=backend)
         return torch.cat([out.prefix, out.completions], dim=1)
 
     def naive() -> torch.Tensor:
-        return chunk_gated_delta_rule(*rows, cu_seqlens=rows_cu, use_qk_l2norm=True)[0]
+        return chunk_gated_delta_rule(*rows, cu_seqlens=rows_cu, use_qk_l2norm=True, backend=backend)[0]
 
-    times["shared-prefix fwd+bwd"] = bench(fwd_bwd(shared, [*prefix, *completions]))
-    times["naive packing fwd+bwd"] = bench(fwd_bwd(naive, list(rows)))
-    times["shared-prefix fwd+bwd, GPU kernels only"] = kernel_ms(fwd_bwd(shared, [*prefix, *completions]))
-    times["naive packing fwd+bwd, GPU kernels only"] = kernel_ms(fwd_bwd(naive, list(rows)))
+    shared_key, naive_key = f"{backend} shared-prefix fwd+bwd", f"{backend} naive packing fwd+bwd"
+    record(times, shared_key, bench(fwd_bwd(shared, [*prefix, *completions])))
+    record(times, naive_key, bench(fwd_bwd(naive, list(rows))))
+    record(times, f"{shared_key}, GPU kernels only", kernel_ms(fwd_bwd(shared, [*prefix, *completions])))
+    record(times, f"{naive_key}, GPU kernels only", kernel_ms(fwd_bwd(naive, list(rows))))
     ideal = (prompt + n_comp * comp) / (n_comp * (prompt + comp))
-    return times["shared-prefix fwd+bwd"] / times["naive packing fwd+bwd"], ideal
+    return times[shared_key] / times[naive_key], ideal
 
 
 def main() -> None:
@@ -242,31 +258,35 @@ def main() -> None:
     for key, value in info.items():
         print(f"{key}: {value}", flush=True)
 
-    errors = correctness()
     print("\ncorrectness (relative L2 error vs float64 recurrence):", flush=True)
-    for key, value in errors.items():
-        print(f"  {key:34s} {value:.2e}", flush=True)
+    errors = correctness()
 
     times: dict[str, float] = {}
     notes: dict[str, str] = {}
     times.update(reference_times_in_child())
     print(f"reference timed in a child without fla: {times}", flush=True)
     packed_benchmark(times, notes)
-    shared_ratio, ideal = shared_prefix_benchmark(times)
+    shared = {backend: shared_prefix_benchmark(times, backend) for backend in ("fla-hybrid", "chunked-triton")}
+    ideal = shared["fla-hybrid"][1]
 
     ratios = {
+        "reference fwd+bwd / fla-hybrid fwd+bwd": times["reference fwd+bwd"] / times["fla-hybrid fwd+bwd"],
+        "fla-hybrid fwd+bwd / fla fwd": times["fla-hybrid fwd+bwd"] / times["fla fwd"],
         "reference fwd+bwd / chunked-triton fwd+bwd": times["reference fwd+bwd"] / times["chunked-triton fwd+bwd"],
         "reference fwd+bwd / chunked-triton fwd+bwd (tf32)": times["reference fwd+bwd"]
         / times["chunked-triton fwd+bwd (tf32 matmuls)"],
         "chunked-triton fwd+bwd / fla fwd": times["chunked-triton fwd+bwd"] / times["fla fwd"],
         "chunked-triton fwd / fla fwd": times["chunked-triton fwd"] / times["fla fwd"],
         "reference fwd / chunked-triton fwd": times["reference fwd"] / times["chunked-triton fwd"],
-        "shared / naive fwd+bwd time": shared_ratio,
         "ideal shared / naive": ideal,
-        "shared / ideal": shared_ratio / ideal,
-        "shared / naive GPU kernel time": times["shared-prefix fwd+bwd, GPU kernels only"]
-        / times["naive packing fwd+bwd, GPU kernels only"],
     }
+    for backend, (ratio, _) in shared.items():
+        ratios[f"{backend} shared / naive fwd+bwd time"] = ratio
+        ratios[f"{backend} shared / ideal"] = ratio / ideal
+        ratios[f"{backend} shared / naive GPU kernel time"] = (
+            times[f"{backend} shared-prefix fwd+bwd, GPU kernels only"]
+            / times[f"{backend} naive packing fwd+bwd, GPU kernels only"]
+        )
     print("\ntimes (ms, median):")
     for key, value in times.items():
         print(f"  {key:40s} {value:9.3f}")

@@ -7,6 +7,12 @@ Backends (all take the same arguments, see :mod:`model_support.kernels.gdn`):
     known to be correct for the installed Triton and GPU. fla 0.6.0 itself refuses its gated
     backward (``chunk_bwd_dqkwg``) on Hopper with Triton in [3.4.0, 3.7.1) because that
     compiler produces wrong results there; forward-only use is unaffected.
+``fla-hybrid``
+    fla's kernels as fla composes them, with our own ``chunk_bwd_dqkwg`` (the one kernel fla
+    refuses on Hopper with Triton in [3.4.0, 3.7.1); see :mod:`._fla_hybrid`), for the fla
+    releases whose composition it follows (0.6.x). Runs only when named: its kernel is checked
+    against float64 autograd in Triton's CPU interpreter, but the composition has not yet been
+    checked against the float64 recurrence on a Hopper GPU, so the policy does not pick it.
 ``chunked-triton``
     Our chunked formulation: the work inside each chunk as batched torch operations
     (``torch.compile``-d on CUDA), the chunk-to-chunk state recurrence (forward and
@@ -31,10 +37,12 @@ from packaging.version import Version
 
 __all__ = ["BACKENDS", "BackendChoice", "select_backend"]
 
-BACKENDS = ("fla", "chunked-triton", "torch-chunked")
+BACKENDS = ("fla", "fla-hybrid", "chunked-triton", "torch-chunked")
 
 # fla 0.6.0 raises in chunk_bwd_dqkwg for Triton >= 3.4.0, < 3.7.1 on sm_90 (fla issue #640).
 _HOPPER_BAD_TRITON = (Version("3.4.0"), Version("3.7.1"))
+# fla releases whose backward composition kernels/_fla_hybrid.py follows.
+_HYBRID_FLA = (Version("0.6.0"), Version("0.7.0"))
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,12 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
+def _hopper_dqkwg_bug(device: torch.device, triton: Version) -> bool:
+    """fla #640: Triton in [3.4.0, 3.7.1) miscompiles fla's gated ``chunk_bwd_dqkwg`` on sm_90."""
+    low, high = _HOPPER_BAD_TRITON
+    return torch.cuda.get_device_capability(device)[0] == 9 and low <= triton < high
+
+
 def _fla_refusal(device: torch.device, triton: Version | None, need_backward: bool) -> str | None:
     """Why fla must not run here (``None`` when it may)."""
     fla = _fla_version()
@@ -91,11 +105,18 @@ def _fla_refusal(device: torch.device, triton: Version | None, need_backward: bo
         return f"fla needs a CUDA device, got {device.type}"
     if triton is None:
         return f"fla {fla} needs Triton, which is not installed"
-    major, minor = torch.cuda.get_device_capability(device)
-    low, high = _HOPPER_BAD_TRITON
-    if need_backward and major == 9 and low <= triton < high:
-        return f"fla {fla} backward is refused on Hopper (sm_{major}{minor}) with triton {triton} < {high}"
+    if need_backward and _hopper_dqkwg_bug(device, triton):
+        return f"fla {fla} backward is refused on Hopper (sm_90) with triton {triton} < {_HOPPER_BAD_TRITON[1]}"
     return None
+
+
+def _hybrid_applies(device: torch.device, triton: Version | None) -> bool:
+    """fla is refused only for its ``chunk_bwd_dqkwg``, in a release whose composition fla-hybrid follows."""
+    fla = _fla_version()
+    if fla is None or triton is None or device.type != "cuda" or not _hopper_dqkwg_bug(device, triton):
+        return False
+    low, high = _HYBRID_FLA
+    return low <= fla < high
 
 
 def select_backend(device: torch.device | str | None = None, *, need_backward: bool = True) -> BackendChoice:
@@ -130,5 +151,10 @@ def check_backend(name: str, device: torch.device | str | None, *, need_backward
         refusal = _fla_refusal(device, _triton_version(), need_backward)
         if refusal is not None:
             raise ValueError(f"GDN backend 'fla' cannot run correctly here: {refusal}")
+    elif name == "fla-hybrid" and not _hybrid_applies(device, _triton_version()):
+        raise ValueError(
+            f"GDN backend 'fla-hybrid' needs fla >= {_HYBRID_FLA[0]}, < {_HYBRID_FLA[1]} on a Hopper GPU with "
+            f"triton in [{_HOPPER_BAD_TRITON[0]}, {_HOPPER_BAD_TRITON[1]}); elsewhere use 'fla' or 'chunked-triton'"
+        )
     elif name == "chunked-triton" and (device.type != "cuda" or _triton_version() is None):
         raise ValueError("GDN backend 'chunked-triton' needs a CUDA device and Triton")

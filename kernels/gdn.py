@@ -197,25 +197,38 @@ def _fla(
     output_final_state: bool,
     scale: float,
     use_qk_l2norm: bool,
+    hybrid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
-
-    total = q.shape[1]
+    """fla's kernels (``hybrid``: with our own ``chunk_bwd_dqkwg``, see :mod:`._fla_hybrid`)."""
+    batch, total = q.shape[:2]
     n_valid = total if cu_seqlens is None else int(cu_seqlens[-1])
     if n_valid < total:
         q, k, v, g, beta = (x[:, :n_valid] for x in (q, k, v, g, beta))
-    o, final = fla_chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
-    )
+    if hybrid:
+        from model_support.kernels._fla_hybrid import FlaHybrid
+
+        if cu_seqlens is None:  # batched: the hybrid runs packed
+            cu_seqlens = torch.arange(batch + 1, device=q.device) * total
+            q, k, v, g, beta = (x.reshape(1, batch * total, *x.shape[2:]) for x in (q, k, v, g, beta))
+        o, final = FlaHybrid.apply(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm
+        )
+        o = o.reshape(batch, -1, *o.shape[2:])
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+        o, final = fla_chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+        )
     if n_valid < total:
         o = torch.cat([o, o.new_zeros(1, total - n_valid, *o.shape[2:])], dim=1)
     return o, final
@@ -280,8 +293,9 @@ def chunk_gated_delta_rule(
     scale = k_dim**-0.5 if scale is None else scale
     name = resolve_backend(backend, q.device, (q, k, v, g, beta, initial_state))
 
-    if name == "fla":
-        return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm)
+    if name in ("fla", "fla-hybrid"):
+        hybrid = name == "fla-hybrid"
+        return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm, hybrid)
 
     if cu_seqlens is None:
         cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * total

@@ -7,7 +7,7 @@ G completions' state gradients back into the prompt.
 
 On our chunked backends everything but the state recurrence runs in one pass over prompt
 and completions together, and the recurrence runs in two phases (prompt, then all
-completions); on fla the prompt and the completions are two calls joined by
+completions); on fla (and fla-hybrid) the prompt and the completions are two calls joined by
 ``initial_state`` / ``output_final_state``.
 """
 
@@ -68,7 +68,7 @@ def shared_prefix_gated_delta_rule(
     n_completions = completion_cu_seqlens.numel() - 1
     prompt_len = prefix.q.shape[1]
 
-    if name != "fla":
+    if name not in ("fla", "fla-hybrid"):
         joined = (torch.cat([p, c], dim=1) for p, c in zip(prefix, completions, strict=True))
         cu = torch.cat([completion_cu_seqlens.new_zeros(1), completion_cu_seqlens + prompt_len])
         out, final = run_chunked(

@@ -65,12 +65,22 @@ def test_named_backend_that_would_be_wrong_is_refused(monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match="refused on Hopper"):
         policy.check_backend("fla", "cuda:0", need_backward=True)
     policy.check_backend("fla", "cuda:0", need_backward=False)
+    policy.check_backend("fla-hybrid", "cuda:0", need_backward=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match=r"'fla-hybrid' needs fla >= 0\.6\.0, < 0\.7\.0 on a Hopper GPU"):
+        policy.check_backend("fla-hybrid", "cuda:0", need_backward=True)
 
 
 def test_named_backends_on_cpu() -> None:
     x = torch.randn(1, 4, 1, 8)
     g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
-    for name, message in [("fla", "cannot run correctly"), ("chunked-triton", "CUDA"), ("nope", "unknown")]:
+    refusals = [
+        ("fla", "cannot run correctly"),
+        ("fla-hybrid", "Hopper GPU"),
+        ("chunked-triton", "CUDA"),
+        ("nope", "unknown"),
+    ]
+    for name, message in refusals:
         with pytest.raises(ValueError, match=message):
             chunk_gated_delta_rule(x, x, x, g, beta, backend=name)
     o, _ = chunk_gated_delta_rule(x, x, x, g, beta, backend=select_backend("cpu"))

@@ -178,3 +178,59 @@ def test_triton_recurrence_matches_torch_loop_in_interpreter() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_hybrid_dqkwg_matches_autograd_in_interpreter() -> None:
+    """fla-hybrid's own chunk_bwd_dqkwg kernel (Triton's CPU interpreter) against float64 autograd of one
+    chunk's output and next state, on ragged sequences with grouped value heads."""
+    script = textwrap.dedent(
+        """
+        import math, torch
+        from model_support.kernels._fla_hybrid import CHUNK, chunk_bwd_dqkwg
+
+        gen = torch.Generator().manual_seed(0)
+        lengths, heads, v_heads, k_dim, v_dim, scale = [1, 64, 100], 1, 2, 16, 32, 0.3
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        chunks = [(n, i) for n, length in enumerate(lengths) for i in range(-(-length // CHUNK))]
+        def r(*s):
+            return torch.randn(*s, generator=gen)
+        q, k = r(1, total, heads, k_dim) * 0.3, r(1, total, heads, k_dim) * 0.3
+        v, do, dv = (r(1, total, v_heads, v_dim) for _ in range(3))
+        w = r(1, total, v_heads, k_dim)
+        h, dh = r(len(chunks), v_heads, k_dim, v_dim), r(len(chunks), v_heads, k_dim, v_dim)
+        g = torch.nn.functional.logsigmoid(r(1, total, v_heads) + 2)
+        g_cum = torch.empty_like(g)  # chunk-local cumulative decay, as fla passes it (log2 units)
+        for n, i in chunks:
+            rows = slice(int(cu[n]) + i * CHUNK, min(int(cu[n]) + (i + 1) * CHUNK, int(cu[n + 1])))
+            g_cum[0, rows] = g[0, rows].cumsum(0)
+        got = chunk_bwd_dqkwg(q, k, v, w, g_cum / math.log(2), h, dv, do, dh, scale, cu, torch.tensor(chunks))
+
+        want = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, w, g)]  # dq, dk, dw, dg
+        for c, (n, i) in enumerate(chunks):
+            rows = slice(int(cu[n]) + i * CHUNK, min(int(cu[n]) + (i + 1) * CHUNK, int(cu[n + 1])))
+            for hv in range(v_heads):
+                hq = hv // (v_heads // heads)
+                pairs = ((q, hq), (k, hq), (w, hv), (g_cum, hv))
+                qc, kc, wc, gc = (x[0, rows, head].double().requires_grad_() for x, head in pairs)
+                vc, hc, dhc = v[0, rows, hv].double(), h[c, hv].double(), dh[c, hv].double()
+                decay = (gc[:, None] - gc[None, :]).exp() * torch.ones(len(gc), len(gc)).tril()
+                o = scale * ((qc * gc.exp()[:, None]) @ hc + ((qc @ kc.T) * decay) @ vc)
+                h_next = gc[-1].exp() * hc + (kc * (gc[-1] - gc).exp()[:, None]).T @ vc
+                v_new_term = (dv[0, rows, hv].double() * (wc @ hc)).sum()  # v_new = u - w h
+                loss = (do[0, rows, hv].double() * o).sum() + (dhc * h_next).sum() - v_new_term
+                dq, dk, dw, dg = torch.autograd.grad(loss, (qc, kc, wc, gc))
+                want[0][0, rows, hq] += dq
+                want[1][0, rows, hq] += dk
+                want[2][0, rows, hv] = dw
+                want[3][0, rows, hv] = dg
+        print(max(float((a.double() - b).norm() / b.norm()) for a, b in zip(got, want)))
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5

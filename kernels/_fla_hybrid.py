@@ -1,0 +1,212 @@
+"""fla's Gated DeltaNet kernels with our own ``chunk_bwd_dqkwg`` (backend ``fla-hybrid``).
+
+fla 0.6.0 refuses its gated ``chunk_bwd_dqkwg`` on Hopper with Triton in [3.4.0, 3.7.1): that
+compiler mis-lowers a ``tl.dot`` whose operand is the transpose of another ``tl.dot``'s result
+(fla issue #640). Every other kernel of fla's forward and backward is unaffected. This module runs
+fla's forward and backward as fla composes them, with that one kernel replaced by
+:func:`_dqkwg_kernel`, which computes the transposed score block with its own dot from loaded
+operands instead of transposing an accumulator.
+
+The composition follows fla 0.6.x (``fla.ops.gated_delta_rule.chunk``); :mod:`backend` only picks
+this backend for those versions, and the GPU benchmark checks it against the float64 recurrence.
+fla keeps the cumulative decay in log2 units (``exp2``); the kernel below uses the same convention
+so its ``dg`` is what fla's own kernel returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+NUM_WARPS = 8
+NUM_STAGES = 2
+
+
+@triton.jit(do_not_specialize=["T"])
+def _dqkwg_kernel(
+    q, k, v, g, h, do, dh, dq, dk, dw, dv, dg,
+    cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, value head): dq, dk, dw and dg of fla's ``chunk_bwd_dqkwg`` (B = 1, varlen)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    i_h = i_hv // (HV // H)
+
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < length
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    rows = (bos + o_t).to(tl.int64)
+    state = (i_c.to(tl.int64) * HV + i_hv) * K * V
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)  # ds[i, j] = do_i . v_j
+    b_dst = tl.zeros([BT, BT], dtype=tl.float32)  # its transpose, from its own dot (never tl.trans of a dot)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        tv = rows[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_v = tl.load(v + tv, mask=m_tv, other=0.0)
+        b_do = tl.load(do + tv, mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + tv, mask=m_tv, other=0.0)
+        # h is [K, V] row-major; load it as [BV, BK].
+        kv = state + o_k[None, :] * V + o_v[:, None]
+        m_kv = m_k[None, :] & m_v[:, None]
+        b_h = tl.load(h + kv, mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + kv, mask=m_kv, other=0.0)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
+        b_ds = tl.dot(b_do, tl.trans(b_v), b_ds)
+        b_dst = tl.dot(b_v, tl.trans(b_do), b_dst)
+        b_dq = tl.dot(b_do, b_h.to(b_do.dtype), b_dq)
+        b_dk = tl.dot(b_v, b_dh.to(b_v.dtype), b_dk)
+        b_dw = tl.dot(b_dv.to(b_v.dtype), b_h.to(b_v.dtype), b_dw)
+
+    m_tk = m_t[:, None] & m_k[None, :]
+    tk = rows[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(dw + tk, -b_dw.to(dw.dtype.element_ty), mask=m_tk)
+
+    qk = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_q = tl.load(q + qk, mask=m_tk, other=0.0)
+    b_k = tl.load(k + qk, mask=m_tk, other=0.0)
+    last = tl.minimum(i_t * BT + BT, length) - 1
+    b_g = tl.load(g + rows * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_g_last = tl.load(g + (bos + last) * HV + i_hv).to(tl.float32)
+
+    b_dg_last = tl.sum(b_hdh) * tl.math.exp2(b_g_last)
+    b_dq = b_dq * tl.math.exp2(b_g)[:, None] * scale
+    b_dk = b_dk * tl.where(m_t, tl.math.exp2(b_g_last - b_g), 0.0)[:, None]
+    b_dg_last += tl.sum(b_dk * b_k.to(tl.float32))
+
+    o_i = tl.arange(0, BT)
+    valid = m_t[:, None] & m_t[None, :]
+    # lower[i, j] (i >= j): ds[i, j] * exp2(g_i - g_j); upper[j, i] is the same entry, transposed.
+    lower = (o_i[:, None] >= o_i[None, :]) & valid
+    upper = (o_i[:, None] <= o_i[None, :]) & valid
+    b_ds = tl.where(lower, b_ds * tl.math.exp2(b_g[:, None] - b_g[None, :]), 0.0) * scale
+    b_dst = tl.where(upper, b_dst * tl.math.exp2(b_g[None, :] - b_g[:, None]), 0.0) * scale
+    b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
+    b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk)
+
+    b_dgv = tl.sum(b_dq * b_q.to(tl.float32), axis=1) - tl.sum(b_dk * b_k.to(tl.float32), axis=1)
+    b_dgv = tl.where(o_t == last, b_dgv + b_dg_last, b_dgv)
+    tv_hv = rows * HV + i_hv
+    tl.store(dq + tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + tv_hv, b_dgv, mask=m_t)
+
+
+def chunk_bwd_dqkwg(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor,
+    dv: torch.Tensor,
+    do: torch.Tensor,
+    dh: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same inputs and outputs as fla 0.6's gated ``chunk_bwd_dqkwg`` (packed ``B = 1``, varlen)."""
+    _, total, heads, k_dim = k.shape
+    v_heads, v_dim = v.shape[2], v.shape[-1]
+    if k_dim > 256:
+        raise ValueError(f"fla-hybrid supports key head size up to 256, got {k_dim}")
+    dq = q.new_empty(1, total, v_heads, k_dim)
+    dk = k.new_empty(1, total, v_heads, k_dim)
+    dw = torch.empty_like(w)
+    dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    block_k = max(16, triton.next_power_of_2(k_dim))
+    block_v = min(64, max(16, triton.next_power_of_2(v_dim)))
+    grid = (chunk_indices.shape[0], v_heads)
+    _dqkwg_kernel[grid](
+        q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_indices, scale, total,
+        H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK, BK=block_k, BV=block_v,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if heads != v_heads:
+        dq = dq.view(1, total, heads, v_heads // heads, k_dim).sum(3)
+        dk = dk.view(1, total, heads, v_heads // heads, k_dim).sum(3)
+    return dq, dk, dw, dg
+
+
+class FlaHybrid(torch.autograd.Function):
+    """fla's ``chunk_gated_delta_rule`` (packed, varlen) with :func:`chunk_bwd_dqkwg` in the backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        scale: float,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+        cu_seqlens: torch.Tensor,
+        use_qk_l2norm: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        q_rstd = k_rstd = None
+        if use_qk_l2norm:
+            q, q_rstd = l2norm_fwd(q)
+            k, k_rstd = l2norm_fwd(k)
+        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
+        g_cum, o, a, final_state, _, _ = chunk_gated_delta_rule_fwd(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_size=CHUNK,
+        )  # fmt: skip
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices)
+        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+        return o.to(q.dtype), final_state
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        from fla.modules.norm.l2norm import l2norm_bwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+
+        q, q_rstd, k, k_rstd, v, g, beta, a, h0, cu, chunks = ctx.saved_tensors
+        do = do.contiguous()
+        index = {"cu_seqlens": cu, "chunk_indices": chunks}
+        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=g, **index)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False, chunk_size=CHUNK, **index
+        )
+        dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=ctx.scale, chunk_size=CHUNK, **index)
+        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
+            q=q, k=k, w=w, g=g, h0=h0, dht=dht, do=do, dv=dv, scale=ctx.scale, chunk_size=CHUNK, **index
+        )
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
+        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, **index)
+        dk = dk + dk2
+        dg = chunk_local_cumsum(dg + dg2, chunk_size=CHUNK, reverse=True, **index)
+        if ctx.use_qk_l2norm:
+            dq = l2norm_bwd(q, q_rstd, dq)
+            dk = l2norm_bwd(k, k_rstd, dk)
+        grads = (x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, db), ctx.dtypes, strict=True))
+        return *grads, None, dh0, None, None, None
