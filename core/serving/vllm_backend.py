@@ -37,6 +37,7 @@ class ServeOptions:
     max_num_seqs: int = 8
     enable_lora: bool = False
     max_lora_rank: int = 16
+    lora_args: tuple[str, ...] = ()  # extra arguments with --enable-lora (the handler's runtime policy)
     language_model_only: bool = False
     kv_cache_gib: int = 1
     startup_timeout_s: float = 900.0
@@ -186,6 +187,7 @@ class VllmBackend:
         ]
         if options.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank), "--max-loras", "1"]
+            args += options.lora_args
         if options.language_model_only:
             args.append("--language-model-only")
         env = {
