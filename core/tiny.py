@@ -50,8 +50,10 @@ _TEXT_DIMS = {
     "head_dim": 32,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
+    # The real models' GDN head size: vLLM's CPU GDN kernel runs 128 and rejects 16 and 32 (so the serving stages
+    # run on the replicas).
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
     "linear_num_key_heads": 2,
     "max_position_embeddings": 2048,
     "initializer_range": 0.05,

@@ -14,9 +14,10 @@ def _qwen35_lora(rank: int = 3) -> dict[str, torch.Tensor]:
     """Megatron LoRA tensors of the tiny Qwen3.5 replica's shapes (GDN layer 0, attention layer 3)."""
     gen = torch.Generator().manual_seed(0)
     shapes = {
-        # in_proj rows: q 32 + k 32 + v 96 + z 96 + b 6 + a 6; gated qkv: 4 heads x 2 x 32 + k 128 + v 128
-        "decoder.layers.0.self_attention.in_proj": (268, 64),
-        "decoder.layers.0.self_attention.out_proj": (64, 96),
+        # in_proj rows (GDN heads of 128): q 256 + k 256 + v 768 + z 768 + b 6 + a 6;
+        # gated qkv: 4 heads x 2 x 32 + k 128 + v 128
+        "decoder.layers.0.self_attention.in_proj": (2060, 64),
+        "decoder.layers.0.self_attention.out_proj": (64, 768),
         "decoder.layers.0.mlp.linear_fc1": (256, 64),
         "decoder.layers.3.self_attention.linear_qkv": (512, 64),
         "decoder.layers.3.self_attention.linear_proj": (64, 128),
@@ -46,7 +47,7 @@ def test_qwen35_names_and_exact_inverse(qwen35, tmp_path) -> None:
     expected |= {f"{prefix}3.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
     assert {k.rsplit(".lora_", 1)[0] for k in peft} == expected
     rows = {k.rsplit(".", 3)[-3]: v.shape[0] for k, v in peft.items() if k.endswith("lora_B.weight")}
-    assert rows["in_proj_qkv"] == 160 and rows["in_proj_z"] == 96 and rows["in_proj_b"] == 6
+    assert rows["in_proj_qkv"] == 1280 and rows["in_proj_z"] == 768 and rows["in_proj_b"] == 6
     assert rows["q_proj"] == 256 and rows["k_proj"] == 128 and rows["gate_proj"] == 128
     save_peft_adapter(tmp_path, peft, rank=3, alpha=6, target_modules=["q_proj"])
     adapter_config, on_disk = load_peft_adapter(tmp_path)

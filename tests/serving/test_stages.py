@@ -15,8 +15,8 @@ MOE_LORA_ON_CPU = "module 'triton.language' has no attribute '{dtype}'"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("handler", ["qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe"])
-def test_serving_stages(handler, runtime, serving_replica, tmp_path):
-    model = serving_replica(handler)
+def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
+    model = tiny_model_dir(handler)
     args = [a for stage in SERVING_STAGES for a in ("-s", stage)]
     result = run_cli("check", str(model), *args, "--json", str(tmp_path / "r.json"), "--workdir", str(tmp_path / "w"))
     report = json.loads((tmp_path / "r.json").read_text())
