@@ -86,8 +86,6 @@ class RuntimePolicy:
     disable_mtp_for_training: bool = False
     # GDN kernel backend: "auto" lets model_support.kernels.select_backend decide.
     gdn_backend: str = "auto"
-    # Extra `vllm serve` arguments whenever LoRA is enabled (e.g. the adapter-format switch an architecture needs).
-    vllm_lora_args: tuple[str, ...] = ()
 
 
 @runtime_checkable

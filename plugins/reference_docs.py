@@ -42,8 +42,7 @@ FIELD_DOCS = {
     "adapter and back; `None` when the family needs none.",
     "dependencies": "`DependencyFloor(package, minimum, reason, extra)`: minimum versions the `dependencies` "
     "stage enforces (`extra`: the optional extra that installs the package).",
-    "runtime": "`RuntimePolicy(disable_mtp_for_training, gdn_backend, vllm_lora_args)`: how the trainer/server "
-    "must run the family.",
+    "runtime": "`RuntimePolicy(disable_mtp_for_training, gdn_backend)`: how the trainer/server must run the family.",
     "reference_config": "config.json of a real checkpoint of the family; `check <handler> --tiny` replicates it.",
 }
 

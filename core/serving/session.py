@@ -50,7 +50,7 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
         dtype=dtype,
         enable_lora=enable_lora,
         max_lora_rank=LORA_RANK,
-        lora_args=ctx.spec.runtime.vllm_lora_args,
+        moe=ctx.layout.moe is not None,
         language_model_only=getattr(ctx.config, "vision_config", None) is not None,
     )
 

@@ -37,7 +37,7 @@ class ServeOptions:
     max_num_seqs: int = 8
     enable_lora: bool = False
     max_lora_rank: int = 16
-    lora_args: tuple[str, ...] = ()  # extra arguments with --enable-lora (the handler's runtime policy)
+    moe: bool = False  # the model has routed experts (LoRA adapters hold one LoRA per expert)
     language_model_only: bool = False
     kv_cache_gib: int = 1
     startup_timeout_s: float = 900.0
@@ -187,7 +187,11 @@ class VllmBackend:
         ]
         if options.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank), "--max-loras", "1"]
-            args += options.lora_args
+            if options.moe:
+                # Our adapters are per expert (PEFT's HF names). vLLM classes that hold the experts as 3-D weights
+                # (is_3d_moe_weight: Qwen3.5-MoE) refuse those unless its 2-D MoE LoRA wrapper is forced; for the
+                # other MoE classes that wrapper is already the one used.
+                args.append("--enable-mixed-moe-lora-format")
         if options.language_model_only:
             args.append("--language-model-only")
         env = {
