@@ -5,8 +5,9 @@ transformers' qwen3_next torch reference available::
 
     python benchmarks/gdn_benchmark.py --out results.json
 
-It first checks correctness on the GPU (our chunked-triton and torch-chunked paths, fla's
-forward) against the float64 token recurrence, then times, in one process:
+It first checks correctness on the GPU (fla-hybrid, chunked-triton and torch-chunked forward
+and gradients, fla's forward) against the float64 token recurrence (``--correctness-only``
+stops there), then times, in one process:
 
 * packed: 16 sequences x 2048 tokens, 16 heads x 128, bf16 — our fwd+bwd vs fla fwd-only
   and vs transformers' ``torch_chunk_gated_delta_rule`` (batched: all lengths are equal,
@@ -239,6 +240,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write all numbers as JSON here")
     parser.add_argument("--reference-only", action="store_true", help="time the torch reference, print JSON")
+    parser.add_argument(
+        "--correctness-only", action="store_true", help="check every path against float64, time nothing"
+    )
     args = parser.parse_args()
     if args.reference_only:
         print(json.dumps(reference_times()))
@@ -260,6 +264,8 @@ def main() -> None:
 
     print("\ncorrectness (relative L2 error vs float64 recurrence):", flush=True)
     errors = correctness()
+    if args.correctness_only:
+        return
 
     times: dict[str, float] = {}
     notes: dict[str, str] = {}
