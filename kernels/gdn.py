@@ -199,21 +199,17 @@ def _fla(
     use_qk_l2norm: bool,
     hybrid: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's kernels (``hybrid``: with our own ``chunk_bwd_dqkwg``, see :mod:`._fla_hybrid`)."""
-    batch, total = q.shape[:2]
+    """fla's kernels (``hybrid``: with our own ``chunk_bwd_dqkwg``, see :mod:`._fla_hybrid`; packed input only)."""
+    total = q.shape[1]
     n_valid = total if cu_seqlens is None else int(cu_seqlens[-1])
     if n_valid < total:
         q, k, v, g, beta = (x[:, :n_valid] for x in (q, k, v, g, beta))
     if hybrid:
         from model_support.kernels._fla_hybrid import FlaHybrid
 
-        if cu_seqlens is None:  # batched: the hybrid runs packed
-            cu_seqlens = torch.arange(batch + 1, device=q.device) * total
-            q, k, v, g, beta = (x.reshape(1, batch * total, *x.shape[2:]) for x in (q, k, v, g, beta))
         o, final = FlaHybrid.apply(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm
         )
-        o = o.reshape(batch, -1, *o.shape[2:])
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
@@ -293,15 +289,17 @@ def chunk_gated_delta_rule(
     scale = k_dim**-0.5 if scale is None else scale
     name = resolve_backend(backend, q.device, (q, k, v, g, beta, initial_state))
 
-    if name in ("fla", "fla-hybrid"):
-        hybrid = name == "fla-hybrid"
-        return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm, hybrid)
+    if name == "fla":
+        return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm, False)
 
     if cu_seqlens is None:
         cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * total
         q, k, v, g, beta = (x.reshape(1, batch * total, *x.shape[2:]) for x in (q, k, v, g, beta))
     else:
         cu = cu_seqlens
-    o, final = run_chunked(q, k, v, g, beta, cu, initial_state, scale, use_qk_l2norm, name == "chunked-triton")
+    if name == "fla-hybrid":
+        o, final = _fla(q, k, v, g, beta, cu, initial_state, output_final_state, scale, use_qk_l2norm, True)
+    else:
+        o, final = run_chunked(q, k, v, g, beta, cu, initial_state, scale, use_qk_l2norm, name == "chunked-triton")
     o = o.reshape(batch, total, v_heads, v.shape[-1]).to(v.dtype)
     return o, final if output_final_state else None
