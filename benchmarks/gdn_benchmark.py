@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,7 +74,7 @@ def note(errors: dict[str, float], key: str, value: float) -> None:
     print(f"  {key:50s} {value:.2e}", flush=True)
 
 
-def correctness() -> dict[str, float]:
+def correctness(backends: list[str]) -> dict[str, float]:
     """Relative errors on the GPU against the float64 recurrence (ragged lengths, l2norm on)."""
     lengths = [1, 64, 300, 700]
     cu = cu_from_lengths(lengths)
@@ -81,9 +83,10 @@ def correctness() -> dict[str, float]:
     weight = torch.randn_like(ref_o)
     ref_grads = torch.autograd.grad((ref_o * weight).sum() + ref_s.sum(), x64)
     errors: dict[str, float] = {}
-    runs = [(b, torch.float32) for b in ("fla-hybrid", "chunked-triton", "torch-chunked")]
-    runs += [("fla-hybrid", torch.bfloat16), ("chunked-triton", torch.bfloat16)]
+    runs = [(b, torch.float32) for b in backends]
+    runs += [(b, torch.bfloat16) for b in backends if b != "torch-chunked"]
     for backend, dtype in runs:
+        start = time.perf_counter()
         tag = f"{backend} {'fp32' if dtype == torch.float32 else 'bf16'}"
         xd = GDNInputs(*(x.detach().to(dtype).requires_grad_() for x in x64))
         o, s = chunk_gated_delta_rule(*xd, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True, backend=backend)
@@ -92,11 +95,16 @@ def correctness() -> dict[str, float]:
         note(errors, f"{tag} final state", rel(s, ref_s))
         for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, ref_grads, strict=True):
             note(errors, f"{tag} grad {name}", rel(a, b))
+        print(f"  ({tag}: {time.perf_counter() - start:.0f} s, compilation included)", flush=True)
     with torch.no_grad():
         xb = GDNInputs(*(x.detach().bfloat16() for x in x64))
         o_fla, _ = chunk_gated_delta_rule(*xb, cu_seqlens=cu, use_qk_l2norm=True, backend="fla")
     note(errors, "fla bf16 forward output", rel(o_fla, ref_o))
 
+    for backend in backends:
+        shared_prefix_gradients(errors, backend)
+    if "chunked-triton" not in backends:
+        return errors
     # Shared prefix: our one-pass path against fla's two calls (bf16, forward).
     with torch.no_grad():
         prefix = make_inputs(300, 4, 128, torch.bfloat16, seed=4, grad=False)
@@ -108,6 +116,41 @@ def correctness() -> dict[str, float]:
         theirs = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend="fla")
     note(errors, "shared prefix: chunked-triton vs fla (bf16)", rel(torch.cat(ours[:2], 1), torch.cat(theirs[:2], 1)))
     return errors
+
+
+def shared_prefix_gradients(errors: dict[str, float], backend: str) -> None:
+    """Shared prefix (fp32 inputs) against the float64 recurrence of the unshared rows, gradients included."""
+    prompt, lengths = 300, [1, 64, 135]
+    prefix = make_inputs(prompt, 4, 128, torch.float64, seed=6, grad=True)
+    completions = make_inputs(sum(lengths), 4, 128, torch.float64, seed=7, grad=True)
+    ends = cu_from_lengths(lengths).tolist()
+    bounds = list(itertools.pairwise(ends))
+    # Row i = prompt + completion i, built from the same leaves so autograd sums the prompt's gradients.
+    rows = [
+        torch.cat([part for a, b in bounds for part in (p, c[:, a:b])], dim=1)
+        for p, c in zip(prefix, completions, strict=True)
+    ]
+    row_cu = cu_from_lengths([prompt + n for n in lengths])
+    ref, _ = recurrent_gated_delta_rule(*rows, cu_seqlens=row_cu, use_qk_l2norm=True)
+    ref_prefix = ref[:, :prompt]  # every row starts with the same prompt outputs: weight row 0's
+    ref_completions = torch.cat([ref[:, start + prompt : end] for start, end in itertools.pairwise(row_cu.tolist())], 1)
+    w_prefix, w_completions = torch.randn_like(ref_prefix), torch.randn_like(ref_completions)
+    leaves = [*prefix, *completions]
+    ref_loss = (ref_prefix * w_prefix).sum() + (ref_completions * w_completions).sum()
+    ref_grads = torch.autograd.grad(ref_loss, leaves)
+
+    ours = [x.detach().float().requires_grad_() for x in leaves]
+    out = shared_prefix_gated_delta_rule(
+        GDNInputs(*ours[:5]), GDNInputs(*ours[5:]), cu_from_lengths(lengths), use_qk_l2norm=True, backend=backend
+    )
+    loss = (out.prefix * w_prefix.float()).sum() + (out.completions * w_completions.float()).sum()
+    grads = torch.autograd.grad(loss, ours)
+    tag = f"{backend} fp32 shared prefix"
+    note(errors, f"{tag} prompt output", rel(out.prefix, ref_prefix))
+    note(errors, f"{tag} completion outputs", rel(out.completions, ref_completions))
+    for part, offset in (("prompt", 0), ("completions", 5)):
+        for i, name in enumerate(("q", "k", "v", "g", "beta")):
+            note(errors, f"{tag} {part} grad {name}", rel(grads[offset + i], ref_grads[offset + i]))
 
 
 def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
@@ -174,7 +217,7 @@ def reference_times_in_child() -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
+def packed_benchmark(times: dict[str, float], notes: dict[str, str], backends: list[str]) -> None:
     n_seq, seq_len, heads, dim = N_SEQ, SEQ_LEN, HEADS, DIM
     cu = cu_from_lengths([seq_len] * n_seq)
     x = make_inputs(n_seq * seq_len, heads, dim, torch.bfloat16, seed=1, grad=True)
@@ -185,13 +228,14 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
 
     with torch.no_grad():
         record(times, "fla fwd", bench(ours("fla")))
-        record(times, "chunked-triton fwd", bench(ours("chunked-triton")))
-    record(times, "fla-hybrid fwd+bwd", bench(fwd_bwd(ours("fla-hybrid"), leaves)))
-    record(times, "chunked-triton fwd+bwd", bench(fwd_bwd(ours("chunked-triton"), leaves)))
-    record(times, "torch-chunked fwd+bwd", bench(fwd_bwd(ours("torch-chunked"), leaves)))
-    torch.backends.cuda.matmul.allow_tf32 = True
-    record(times, "chunked-triton fwd+bwd (tf32 matmuls)", bench(fwd_bwd(ours("chunked-triton"), leaves)))
-    torch.backends.cuda.matmul.allow_tf32 = False
+        for backend in backends:
+            record(times, f"{backend} fwd", bench(ours(backend)))
+    for backend in backends:
+        record(times, f"{backend} fwd+bwd", bench(fwd_bwd(ours(backend), leaves)))
+    if "chunked-triton" in backends:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        record(times, "chunked-triton fwd+bwd (tf32 matmuls)", bench(fwd_bwd(ours("chunked-triton"), leaves)))
+        torch.backends.cuda.matmul.allow_tf32 = False
     # What fla itself does when asked for a backward here (our policy never asks it).
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
@@ -205,8 +249,12 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str]) -> None:
         notes["fla fwd+bwd"] = f"RuntimeError: {err}"
 
 
-def shared_prefix_benchmark(times: dict[str, float], backend: str) -> tuple[float, float]:
-    n_comp, prompt, comp, heads, dim = 8, 2048, 512, 16, 128
+SHARED_G, SHARED_P, SHARED_C = 8, 2048, 512
+
+
+def shared_prefix_benchmark(times: dict[str, float], backend: str) -> float:
+    """Shared-prefix / naive-packing fwd+bwd time ratio for G completions over one prompt."""
+    n_comp, prompt, comp, heads, dim = SHARED_G, SHARED_P, SHARED_C, HEADS, DIM
     prefix = make_inputs(prompt, heads, dim, torch.bfloat16, seed=2, grad=True)
     completions = make_inputs(n_comp * comp, heads, dim, torch.bfloat16, seed=3, grad=True)
     comp_cu = cu_from_lengths([comp] * n_comp)
@@ -232,8 +280,7 @@ def shared_prefix_benchmark(times: dict[str, float], backend: str) -> tuple[floa
     record(times, naive_key, bench(fwd_bwd(naive, list(rows))))
     record(times, f"{shared_key}, GPU kernels only", kernel_ms(fwd_bwd(shared, [*prefix, *completions])))
     record(times, f"{naive_key}, GPU kernels only", kernel_ms(fwd_bwd(naive, list(rows))))
-    ideal = (prompt + n_comp * comp) / (n_comp * (prompt + comp))
-    return times[shared_key] / times[naive_key], ideal
+    return times[shared_key] / times[naive_key]
 
 
 def main() -> None:
@@ -243,10 +290,16 @@ def main() -> None:
     parser.add_argument(
         "--correctness-only", action="store_true", help="check every path against float64, time nothing"
     )
+    parser.add_argument(
+        "--backends",
+        default="fla-hybrid,chunked-triton,torch-chunked",
+        help="comma-separated backends to check and time (fla's forward and the reference always run)",
+    )
     args = parser.parse_args()
     if args.reference_only:
         print(json.dumps(reference_times()))
         return
+    backends = args.backends.split(",")
 
     import fla
 
@@ -263,7 +316,7 @@ def main() -> None:
         print(f"{key}: {value}", flush=True)
 
     print("\ncorrectness (relative L2 error vs float64 recurrence):", flush=True)
-    errors = correctness()
+    errors = correctness(backends)
     if args.correctness_only:
         return
 
@@ -271,22 +324,21 @@ def main() -> None:
     notes: dict[str, str] = {}
     times.update(reference_times_in_child())
     print(f"reference timed in a child without fla: {times}", flush=True)
-    packed_benchmark(times, notes)
-    shared = {backend: shared_prefix_benchmark(times, backend) for backend in ("fla-hybrid", "chunked-triton")}
-    ideal = shared["fla-hybrid"][1]
+    packed_benchmark(times, notes, backends)
+    shared = {b: shared_prefix_benchmark(times, b) for b in backends if b in ("fla-hybrid", "chunked-triton")}
+    ideal = (SHARED_P + SHARED_G * SHARED_C) / (SHARED_G * (SHARED_P + SHARED_C))
 
-    ratios = {
-        "reference fwd+bwd / fla-hybrid fwd+bwd": times["reference fwd+bwd"] / times["fla-hybrid fwd+bwd"],
-        "fla-hybrid fwd+bwd / fla fwd": times["fla-hybrid fwd+bwd"] / times["fla fwd"],
-        "reference fwd+bwd / chunked-triton fwd+bwd": times["reference fwd+bwd"] / times["chunked-triton fwd+bwd"],
-        "reference fwd+bwd / chunked-triton fwd+bwd (tf32)": times["reference fwd+bwd"]
-        / times["chunked-triton fwd+bwd (tf32 matmuls)"],
-        "chunked-triton fwd+bwd / fla fwd": times["chunked-triton fwd+bwd"] / times["fla fwd"],
-        "chunked-triton fwd / fla fwd": times["chunked-triton fwd"] / times["fla fwd"],
-        "reference fwd / chunked-triton fwd": times["reference fwd"] / times["chunked-triton fwd"],
-        "ideal shared / naive": ideal,
-    }
-    for backend, (ratio, _) in shared.items():
+    ratios = {"ideal shared / naive": ideal}
+    for backend in backends:
+        ratios[f"reference fwd+bwd / {backend} fwd+bwd"] = times["reference fwd+bwd"] / times[f"{backend} fwd+bwd"]
+        ratios[f"{backend} fwd+bwd / fla fwd"] = times[f"{backend} fwd+bwd"] / times["fla fwd"]
+        ratios[f"{backend} fwd / fla fwd"] = times[f"{backend} fwd"] / times["fla fwd"]
+        ratios[f"reference fwd / {backend} fwd"] = times["reference fwd"] / times[f"{backend} fwd"]
+    if "chunked-triton" in backends:
+        ratios["reference fwd+bwd / chunked-triton fwd+bwd (tf32)"] = (
+            times["reference fwd+bwd"] / times["chunked-triton fwd+bwd (tf32 matmuls)"]
+        )
+    for backend, ratio in shared.items():
         ratios[f"{backend} shared / naive fwd+bwd time"] = ratio
         ratios[f"{backend} shared / ideal"] = ratio / ideal
         ratios[f"{backend} shared / naive GPU kernel time"] = (

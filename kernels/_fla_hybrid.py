@@ -167,7 +167,9 @@ class FlaHybrid(torch.autograd.Function):
         from fla.ops.utils.index import prepare_chunk_indices
 
         ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+        # fla's kernels index with contiguous strides (fla's own Function makes every input contiguous).
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        initial_state = None if initial_state is None else initial_state.contiguous()
         q_rstd = k_rstd = None
         if use_qk_l2norm:
             q, q_rstd = l2norm_fwd(q)
@@ -191,7 +193,9 @@ class FlaHybrid(torch.autograd.Function):
         from fla.ops.utils import chunk_local_cumsum
 
         q, q_rstd, k, k_rstd, v, g, beta, a, h0, cu, chunks = ctx.saved_tensors
+        # Autograd may hand in expanded gradients (stride 0, e.g. from ``final_state.sum()``).
         do = do.contiguous()
+        dht = None if dht is None else dht.contiguous()
         index = {"cu_seqlens": cu, "chunk_indices": chunks}
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=g, **index)
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(
