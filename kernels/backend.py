@@ -10,24 +10,27 @@ Backends (all take the same arguments, see :mod:`model_support.kernels.gdn`):
 ``fla-hybrid``
     fla's kernels as fla composes them, with our own ``chunk_bwd_dqkwg`` (the one kernel fla
     refuses on Hopper with Triton in [3.4.0, 3.7.1); see :mod:`._fla_hybrid`), for the fla
-    releases whose composition it follows (0.6.x). Runs only when named: its kernel is checked
-    against float64 autograd in Triton's CPU interpreter, but the composition has not yet been
-    checked against the float64 recurrence on a Hopper GPU, so the policy does not pick it.
+    releases whose composition it follows (0.6.x). Chosen for training exactly where fla is
+    refused for that kernel alone. Checked against the float64 recurrence (outputs and all
+    gradients, shared prefix included) on an H100 with fla 0.6.0 and Triton 3.6.0
+    (``benchmarks/gdn_benchmark.py``); its own kernel also in Triton's CPU interpreter.
 ``chunked-triton``
     Our chunked formulation: the work inside each chunk as batched torch operations
     (``torch.compile``-d on CUDA), the chunk-to-chunk state recurrence (forward and
     hand-written backward) as our own Triton kernels. Chosen on CUDA when fla is absent or
-    refused and Triton is importable.
+    refused (and fla-hybrid does not apply) and Triton is importable.
 ``torch-chunked``
     The same formulation with the recurrence as a torch loop (the intra-chunk stage is
     compiled only where Triton is there for inductor). Runs on any device and in float64;
     the CPU default.
 
-Versions are read from package metadata: selecting a backend imports neither fla nor Triton.
+Versions are read from package metadata once per process: selecting a backend imports neither
+fla nor Triton, and costs nothing per call.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
@@ -69,12 +72,14 @@ def _importable(module: str) -> bool:
         return False
 
 
+@functools.cache
 def _fla_version() -> Version | None:
     if not _importable("fla"):
         return None
     return _dist_version("fla-core", "flash-linear-attention")
 
 
+@functools.cache
 def _triton_version() -> Version | None:
     if not _importable("triton"):
         return None
@@ -137,6 +142,10 @@ def select_backend(device: torch.device | str | None = None, *, need_backward: b
         fla = _fla_version()
         scope = "forward and backward" if need_backward else "forward-only"
         return BackendChoice("fla", f"fla {fla} with triton {triton} is known-correct here ({scope})")
+    if _hybrid_applies(device, triton):
+        return BackendChoice(
+            "fla-hybrid", f"{refusal}; using fla's other kernels with our own chunk_bwd_dqkwg (fla-hybrid)"
+        )
     if triton is not None:
         return BackendChoice("chunked-triton", f"{refusal}; using our chunked formulation with the Triton recurrence")
     return BackendChoice("torch-chunked", f"{refusal} and Triton is missing; using the torch chunked formulation")

@@ -31,8 +31,10 @@ def test_selection_imports_neither_fla_nor_triton() -> None:
 @pytest.mark.parametrize(
     ("fla", "triton", "capability", "need_backward", "name", "in_reason"),
     [
-        ("0.6.0", "3.6.0", (9, 0), True, "chunked-triton", "fla 0.6.0 backward is refused on Hopper (sm_90) "
-         "with triton 3.6.0 < 3.7.1"),
+        ("0.6.0", "3.6.0", (9, 0), True, "fla-hybrid", "fla 0.6.0 backward is refused on Hopper (sm_90) "
+         "with triton 3.6.0 < 3.7.1; using fla's other kernels with our own chunk_bwd_dqkwg"),
+        ("0.7.0", "3.6.0", (9, 0), True, "chunked-triton", "fla 0.7.0 backward is refused on Hopper (sm_90) "
+         "with triton 3.6.0 < 3.7.1; using our chunked formulation"),
         ("0.6.0", "3.6.0", (9, 0), False, "fla", "forward-only"),
         ("0.6.0", "3.7.1", (9, 0), True, "fla", "forward and backward"),
         ("0.6.0", "3.3.1", (9, 0), True, "fla", "known-correct"),

@@ -1,0 +1,64 @@
+"""Where the host's time goes in one fla-hybrid fwd+bwd: cProfile over shared-prefix and naive packing.
+
+Run like ``gdn_benchmark.py`` (CUDA, project importable), as ``python -m benchmarks.gdn_host_profile``.
+For each case (G=8 completions of 512 tokens over a 2048-token prompt, 16 heads x 128, bf16) it
+prints the wall clock of ``--steps`` fwd+bwd steps under cProfile and the Python functions with
+the most own and cumulative time: what the host does while the GPU waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from benchmarks.gdn_benchmark import DEVICE, SHARED_C, SHARED_G, SHARED_P, cu_from_lengths, fwd_bwd, make_inputs
+from model_support.kernels import chunk_gated_delta_rule, shared_prefix_gated_delta_rule
+
+
+def cases(backend: str) -> dict[str, object]:
+    prefix = make_inputs(SHARED_P, 16, 128, torch.bfloat16, seed=2, grad=True)
+    completions = make_inputs(SHARED_G * SHARED_C, 16, 128, torch.bfloat16, seed=3, grad=True)
+    comp_cu = cu_from_lengths([SHARED_C] * SHARED_G)
+    rows = make_inputs(SHARED_G * (SHARED_P + SHARED_C), 16, 128, torch.bfloat16, seed=4, grad=True)
+    rows_cu = cu_from_lengths([SHARED_P + SHARED_C] * SHARED_G)
+
+    def shared() -> torch.Tensor:
+        out = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend=backend)
+        return torch.cat([out.prefix, out.completions], dim=1)
+
+    def naive() -> torch.Tensor:
+        return chunk_gated_delta_rule(*rows, cu_seqlens=rows_cu, use_qk_l2norm=True, backend=backend)[0]
+
+    return {
+        "shared prefix": fwd_bwd(shared, [*prefix, *completions]),
+        "naive packing": fwd_bwd(naive, list(rows)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="fla-hybrid")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    for name, step in cases(args.backend).items():
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize(DEVICE)
+        start = time.perf_counter()
+        with cProfile.Profile() as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize(DEVICE)
+        wall = (time.perf_counter() - start) / args.steps * 1000
+        print(f"\n== {name}: {wall:.2f} ms per fwd+bwd step (wall, under cProfile)", flush=True)
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        stats.print_stats(25)
+        stats.sort_stats("cumulative").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
