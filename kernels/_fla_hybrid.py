@@ -15,7 +15,7 @@ so its ``dg`` is what fla's own kernel returns.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -145,8 +145,103 @@ def chunk_bwd_dqkwg(
     return dq, dk, dw, dg
 
 
+class _Index(NamedTuple):
+    """Where fla's varlen kernels run: a token range, its ``cu_seqlens`` and chunk indices."""
+
+    tokens: slice
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+
+
+def _phases(cu: torch.Tensor, chunks: torch.Tensor, prompt_len: int | None) -> tuple[_Index, ...]:
+    """The state recurrence's phases: all sequences at once, or (prompt, completions) for a shared prompt.
+
+    With ``prompt_len``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
+    completions start from the prompt's final state, so their recurrence runs after the prompt's.
+    Everything here stays on the device (no host sync).
+    """
+    if prompt_len is None:
+        return (_Index(slice(None), cu, chunks),)
+    n_prompt = -(-prompt_len // CHUNK)
+    completion_chunks = chunks[n_prompt:].clone()
+    completion_chunks[:, 0] -= 1
+    return (
+        _Index(slice(0, prompt_len), cu[:2], chunks[:n_prompt]),
+        _Index(slice(prompt_len, None), cu[1:] - prompt_len, completion_chunks),
+    )
+
+
+def _fwd_h(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    h0: torch.Tensor | None,
+    output_final_state: bool,
+    phases: tuple[_Index, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+    """fla's ``chunk_gated_delta_rule_fwd_h`` over the phases.
+
+    Returns per-chunk states, ``v_new``, the final states and each phase's initial states (the
+    completions start from the prompt's final state, fanned out).
+    """
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    hs, v_news, starts = [], [], [h0]
+    for n, phase in enumerate(phases):
+        last = n == len(phases) - 1
+        h, v_new, final = chunk_gated_delta_rule_fwd_h(
+            k=k[:, phase.tokens], w=w[:, phase.tokens], u=u[:, phase.tokens], g=g[:, phase.tokens],
+            initial_state=starts[n], output_final_state=output_final_state or not last,
+            cu_seqlens=phase.cu_seqlens, chunk_indices=phase.chunk_indices, chunk_size=CHUNK,
+        )  # fmt: skip
+        hs.append(h)
+        v_news.append(v_new)
+        if not last:
+            starts.append(final.expand(phases[n + 1].cu_seqlens.numel() - 1, *final.shape[1:]).contiguous())
+    if len(phases) == 1:
+        return hs[0], v_news[0], final, starts
+    return torch.cat(hs, dim=1), torch.cat(v_news, dim=1), final, starts
+
+
+def _bwd_dhu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    starts: list[torch.Tensor | None],
+    dht: torch.Tensor | None,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float,
+    phases: tuple[_Index, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """fla's ``chunk_gated_delta_rule_bwd_dhu`` over the phases, last first: the completions'
+    initial-state gradients, summed, are the gradient of the prompt's final state."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
+    dhs, dvs = [], []
+    for n in reversed(range(len(phases))):
+        phase, t = phases[n], phases[n].tokens
+        dh, dh0, dv_phase = chunk_gated_delta_rule_bwd_dhu(
+            q=q[:, t], k=k[:, t], w=w[:, t], g=g[:, t], h0=starts[n], dht=dht, do=do[:, t], dv=dv[:, t],
+            scale=scale, cu_seqlens=phase.cu_seqlens, chunk_indices=phase.chunk_indices, chunk_size=CHUNK,
+        )  # fmt: skip
+        dhs.insert(0, dh)
+        dvs.insert(0, dv_phase)
+        if n:
+            dht = dh0.sum(0, keepdim=True)
+    if len(phases) == 1:
+        return dhs[0], dh0, dvs[0]
+    return torch.cat(dhs, dim=1), dh0, torch.cat(dvs, dim=1)
+
+
 class FlaHybrid(torch.autograd.Function):
-    """fla's ``chunk_gated_delta_rule`` (packed, varlen) with :func:`chunk_bwd_dqkwg` in the backward."""
+    """fla's ``chunk_gated_delta_rule`` (packed, varlen) with :func:`chunk_bwd_dqkwg` in the backward.
+
+    With ``prompt_len``, sequence 0 is a prompt shared by all other sequences (its completions):
+    the chunk-parallel kernels run once over everything, the state recurrence in two phases.
+    """
 
     @staticmethod
     def forward(
@@ -161,9 +256,13 @@ class FlaHybrid(torch.autograd.Function):
         output_final_state: bool,
         cu_seqlens: torch.Tensor,
         use_qk_l2norm: bool,
+        prompt_len: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from fla.modules.norm.l2norm import l2norm_fwd
-        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
         from fla.ops.utils.index import prepare_chunk_indices
 
         ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
@@ -174,20 +273,21 @@ class FlaHybrid(torch.autograd.Function):
         if use_qk_l2norm:
             q, q_rstd = l2norm_fwd(q)
             k, k_rstd = l2norm_fwd(k)
-        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
-        g_cum, o, a, final_state, _, _ = chunk_gated_delta_rule_fwd(
-            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-            chunk_size=CHUNK,
-        )  # fmt: skip
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g_cum, beta, a, initial_state, cu_seqlens, chunk_indices)
-        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
-        return o.to(q.dtype), final_state
+        chunks = prepare_chunk_indices(cu_seqlens, CHUNK)
+        index = {"cu_seqlens": cu_seqlens, "chunk_indices": chunks}
+        # As fla 0.6's chunk_gated_delta_rule_fwd composes these, with the recurrence in phases.
+        g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **index)
+        w, u, a = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **index)
+        phases = _phases(cu_seqlens, chunks, prompt_len)
+        h, v_new, final_state, _ = _fwd_h(k, w, u, g, initial_state, output_final_state, phases)
+        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **index)
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, initial_state, cu_seqlens, chunks)
+        ctx.scale, ctx.use_qk_l2norm, ctx.prompt_len = scale, use_qk_l2norm, prompt_len
+        return o.to(q.dtype), final_state if output_final_state else None
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         from fla.modules.norm.l2norm import l2norm_bwd
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
         from fla.ops.utils import chunk_local_cumsum
@@ -197,14 +297,12 @@ class FlaHybrid(torch.autograd.Function):
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         index = {"cu_seqlens": cu, "chunk_indices": chunks}
+        phases = _phases(cu, chunks, ctx.prompt_len)
+        # As fla 0.6's chunk_gated_delta_rule_bwd composes these, with our chunk_bwd_dqkwg.
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=g, **index)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(
-            k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False, chunk_size=CHUNK, **index
-        )
+        h, v_new, _, starts = _fwd_h(k, w, u, g, h0, False, phases)
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=ctx.scale, chunk_size=CHUNK, **index)
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(
-            q=q, k=k, w=w, g=g, h0=h0, dht=dht, do=do, dv=dv, scale=ctx.scale, chunk_size=CHUNK, **index
-        )
+        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, dht, do, dv, ctx.scale, phases)
         dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
         dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, **index)
         dk = dk + dk2
@@ -213,4 +311,4 @@ class FlaHybrid(torch.autograd.Function):
             dq = l2norm_bwd(q, q_rstd, dq)
             dk = l2norm_bwd(k, k_rstd, dk)
         grads = (x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, db), ctx.dtypes, strict=True))
-        return *grads, None, dh0, None, None, None
+        return *grads, None, dh0, None, None, None, None

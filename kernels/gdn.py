@@ -186,7 +186,7 @@ def run_chunked(
     return layout.from_chunks(o, total)[None], s_final
 
 
-def _fla(
+def run_fla(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -198,8 +198,12 @@ def _fla(
     scale: float,
     use_qk_l2norm: bool,
     hybrid: bool,
+    prompt_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's kernels (``hybrid``: with our own ``chunk_bwd_dqkwg``, see :mod:`._fla_hybrid`; packed input only)."""
+    """fla's kernels (``hybrid``: with our own ``chunk_bwd_dqkwg``, see :mod:`._fla_hybrid`; packed input only).
+
+    ``prompt_len`` (hybrid only): sequence 0 is a prompt that every other sequence continues.
+    """
     total = q.shape[1]
     n_valid = total if cu_seqlens is None else int(cu_seqlens[-1])
     if n_valid < total:
@@ -208,7 +212,7 @@ def _fla(
         from model_support.kernels._fla_hybrid import FlaHybrid
 
         o, final = FlaHybrid.apply(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm, prompt_len
         )
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
@@ -290,7 +294,7 @@ def chunk_gated_delta_rule(
     name = resolve_backend(backend, q.device, (q, k, v, g, beta, initial_state))
 
     if name == "fla":
-        return _fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm, False)
+        return run_fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm, False)
 
     if cu_seqlens is None:
         cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * total
@@ -298,7 +302,7 @@ def chunk_gated_delta_rule(
     else:
         cu = cu_seqlens
     if name == "fla-hybrid":
-        o, final = _fla(q, k, v, g, beta, cu, initial_state, output_final_state, scale, use_qk_l2norm, True)
+        o, final = run_fla(q, k, v, g, beta, cu, initial_state, output_final_state, scale, use_qk_l2norm, True)
     else:
         o, final = run_chunked(q, k, v, g, beta, cu, initial_state, scale, use_qk_l2norm, name == "chunked-triton")
     o = o.reshape(batch, total, v_heads, v.shape[-1]).to(v.dtype)

@@ -5,9 +5,9 @@ Here the prompt is computed once and its final state is fanned out as the initia
 every completion (``P + G * C`` tokens). The fan-out is an ``expand``, so autograd sums the
 G completions' state gradients back into the prompt.
 
-On our chunked backends everything but the state recurrence runs in one pass over prompt
-and completions together, and the recurrence runs in two phases (prompt, then all
-completions); on fla (and fla-hybrid) the prompt and the completions are two calls joined by
+On our chunked backends and on fla-hybrid, everything but the state recurrence runs in one
+pass over prompt and completions together, and the recurrence runs in two phases (prompt,
+then all completions); on fla the prompt and the completions are two calls joined by
 ``initial_state`` / ``output_final_state``.
 """
 
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from model_support.kernels.backend import BackendChoice
-from model_support.kernels.gdn import check_shapes, chunk_gated_delta_rule, resolve_backend, run_chunked
+from model_support.kernels.gdn import check_shapes, chunk_gated_delta_rule, resolve_backend, run_chunked, run_fla
 
 __all__ = ["GDNInputs", "SharedPrefixOutput", "shared_prefix_gated_delta_rule"]
 
@@ -68,14 +68,20 @@ def shared_prefix_gated_delta_rule(
     n_completions = completion_cu_seqlens.numel() - 1
     prompt_len = prefix.q.shape[1]
 
-    if name not in ("fla", "fla-hybrid"):
+    if name != "fla":
         joined = (torch.cat([p, c], dim=1) for p, c in zip(prefix, completions, strict=True))
         cu = torch.cat([completion_cu_seqlens.new_zeros(1), completion_cu_seqlens + prompt_len])
-        out, final = run_chunked(
-            *joined, cu, initial_state, scale, use_qk_l2norm, name == "chunked-triton", fan_out_first=True
-        )
+        if name == "fla-hybrid":
+            out, final = run_fla(
+                *joined, cu, initial_state, output_final_state, scale, use_qk_l2norm, True, prompt_len=prompt_len
+            )
+        else:
+            out, final = run_chunked(
+                *joined, cu, initial_state, scale, use_qk_l2norm, name == "chunked-triton", fan_out_first=True
+            )
+            final = final[1:]
         out = out.to(prefix.v.dtype)
-        return SharedPrefixOutput(out[:, :prompt_len], out[:, prompt_len:], final[1:] if output_final_state else None)
+        return SharedPrefixOutput(out[:, :prompt_len], out[:, prompt_len:], final if output_final_state else None)
 
     prefix_out, prefix_state = chunk_gated_delta_rule(
         *prefix, initial_state=initial_state, output_final_state=True, scale=scale,
