@@ -252,11 +252,11 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str], backends: l
 SHARED_G, SHARED_P, SHARED_C = 8, 2048, 512
 
 
-def shared_prefix_benchmark(times: dict[str, float], backend: str) -> float:
-    """Shared-prefix / naive-packing fwd+bwd time ratio for G completions over one prompt."""
-    n_comp, prompt, comp, heads, dim = SHARED_G, SHARED_P, SHARED_C, HEADS, DIM
-    prefix = make_inputs(prompt, heads, dim, torch.bfloat16, seed=2, grad=True)
-    completions = make_inputs(n_comp * comp, heads, dim, torch.bfloat16, seed=3, grad=True)
+def shared_prefix_steps(backend: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One fwd+bwd step of G completions over one prompt: (shared prefix, naive packing of G rows)."""
+    n_comp, prompt, comp = SHARED_G, SHARED_P, SHARED_C
+    prefix = make_inputs(prompt, HEADS, DIM, torch.bfloat16, seed=2, grad=True)
+    completions = make_inputs(n_comp * comp, HEADS, DIM, torch.bfloat16, seed=3, grad=True)
     comp_cu = cu_from_lengths([comp] * n_comp)
     rows = GDNInputs(
         *(
@@ -275,11 +275,17 @@ def shared_prefix_benchmark(times: dict[str, float], backend: str) -> float:
     def naive() -> torch.Tensor:
         return chunk_gated_delta_rule(*rows, cu_seqlens=rows_cu, use_qk_l2norm=True, backend=backend)[0]
 
+    return fwd_bwd(shared, [*prefix, *completions]), fwd_bwd(naive, list(rows))
+
+
+def shared_prefix_benchmark(times: dict[str, float], backend: str) -> float:
+    """Shared-prefix / naive-packing fwd+bwd time ratio for G completions over one prompt."""
+    shared, naive = shared_prefix_steps(backend)
     shared_key, naive_key = f"{backend} shared-prefix fwd+bwd", f"{backend} naive packing fwd+bwd"
-    record(times, shared_key, bench(fwd_bwd(shared, [*prefix, *completions])))
-    record(times, naive_key, bench(fwd_bwd(naive, list(rows))))
-    record(times, f"{shared_key}, GPU kernels only", kernel_ms(fwd_bwd(shared, [*prefix, *completions])))
-    record(times, f"{naive_key}, GPU kernels only", kernel_ms(fwd_bwd(naive, list(rows))))
+    record(times, shared_key, bench(shared))
+    record(times, naive_key, bench(naive))
+    record(times, f"{shared_key}, GPU kernels only", kernel_ms(shared))
+    record(times, f"{naive_key}, GPU kernels only", kernel_ms(naive))
     return times[shared_key] / times[naive_key]
 
 

@@ -15,28 +15,7 @@ import time
 
 import torch
 
-from benchmarks.gdn_benchmark import DEVICE, SHARED_C, SHARED_G, SHARED_P, cu_from_lengths, fwd_bwd, make_inputs
-from model_support.kernels import chunk_gated_delta_rule, shared_prefix_gated_delta_rule
-
-
-def cases(backend: str) -> dict[str, object]:
-    prefix = make_inputs(SHARED_P, 16, 128, torch.bfloat16, seed=2, grad=True)
-    completions = make_inputs(SHARED_G * SHARED_C, 16, 128, torch.bfloat16, seed=3, grad=True)
-    comp_cu = cu_from_lengths([SHARED_C] * SHARED_G)
-    rows = make_inputs(SHARED_G * (SHARED_P + SHARED_C), 16, 128, torch.bfloat16, seed=4, grad=True)
-    rows_cu = cu_from_lengths([SHARED_P + SHARED_C] * SHARED_G)
-
-    def shared() -> torch.Tensor:
-        out = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend=backend)
-        return torch.cat([out.prefix, out.completions], dim=1)
-
-    def naive() -> torch.Tensor:
-        return chunk_gated_delta_rule(*rows, cu_seqlens=rows_cu, use_qk_l2norm=True, backend=backend)[0]
-
-    return {
-        "shared prefix": fwd_bwd(shared, [*prefix, *completions]),
-        "naive packing": fwd_bwd(naive, list(rows)),
-    }
+from benchmarks.gdn_benchmark import DEVICE, shared_prefix_steps
 
 
 def main() -> None:
@@ -44,7 +23,8 @@ def main() -> None:
     parser.add_argument("--backend", default="fla-hybrid")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    for name, step in cases(args.backend).items():
+    shared, naive = shared_prefix_steps(args.backend)
+    for name, step in (("shared prefix", shared), ("naive packing", naive)):
         for _ in range(3):
             step()
         torch.cuda.synchronize(DEVICE)
