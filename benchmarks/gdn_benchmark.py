@@ -14,7 +14,7 @@ stops there), then times, in one process:
   which is the reference's most favourable case). Newer transformers route that function to
   fla when fla is importable, so the reference is timed in a child process that cannot
   import fla (``--reference-only``);
-* shared prefix: G=8 completions of C=512 tokens over a P=2048 prompt, fwd+bwd, shared vs
+* shared prefix: G=8 completions of C=512 tokens over a P=2048 prompt (``--shared-sizes``), fwd+bwd, shared vs
   naive packing (G rows of P + C), against the ideal ratio (P + G*C) / (G*(P + C)).
 
 Each time is the median of ``triton.testing.do_bench``; ratios come from this one run. For
@@ -249,12 +249,14 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str], backends: l
         notes["fla fwd+bwd"] = f"RuntimeError: {err}"
 
 
-SHARED_G, SHARED_P, SHARED_C = 8, 2048, 512
+SHARED_G = 8
 
 
-def shared_prefix_steps(backend: str) -> tuple[Callable[[], None], Callable[[], None]]:
+def shared_prefix_steps(
+    backend: str, prompt: int = 2048, comp: int = 512
+) -> tuple[Callable[[], None], Callable[[], None]]:
     """One fwd+bwd step of G completions over one prompt: (shared prefix, naive packing of G rows)."""
-    n_comp, prompt, comp = SHARED_G, SHARED_P, SHARED_C
+    n_comp = SHARED_G
     prefix = make_inputs(prompt, HEADS, DIM, torch.bfloat16, seed=2, grad=True)
     completions = make_inputs(n_comp * comp, HEADS, DIM, torch.bfloat16, seed=3, grad=True)
     comp_cu = cu_from_lengths([comp] * n_comp)
@@ -278,9 +280,9 @@ def shared_prefix_steps(backend: str) -> tuple[Callable[[], None], Callable[[], 
     return fwd_bwd(shared, [*prefix, *completions]), fwd_bwd(naive, list(rows))
 
 
-def shared_prefix_benchmark(times: dict[str, float], backend: str) -> float:
+def shared_prefix_benchmark(times: dict[str, float], backend: str, prompt: int, comp: int) -> float:
     """Shared-prefix / naive-packing fwd+bwd time ratio for G completions over one prompt."""
-    shared, naive = shared_prefix_steps(backend)
+    shared, naive = shared_prefix_steps(backend, prompt, comp)
     shared_key, naive_key = f"{backend} shared-prefix fwd+bwd", f"{backend} naive packing fwd+bwd"
     record(times, shared_key, bench(shared))
     record(times, naive_key, bench(naive))
@@ -298,6 +300,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--timings-only", action="store_true", help="skip the correctness checks (their compilation takes minutes)"
+    )
+    parser.add_argument(
+        "--shared-sizes", default="2048,512", help="prompt and completion lengths P,C of the shared-prefix case"
     )
     parser.add_argument(
         "--backends",
@@ -335,8 +340,11 @@ def main() -> None:
     times.update(reference_times_in_child())
     print(f"reference timed in a child without fla: {times}", flush=True)
     packed_benchmark(times, notes, backends)
-    shared = {b: shared_prefix_benchmark(times, b) for b in backends if b in ("fla-hybrid", "chunked-triton")}
-    ideal = (SHARED_P + SHARED_G * SHARED_C) / (SHARED_G * (SHARED_P + SHARED_C))
+    prompt, comp = (int(n) for n in args.shared_sizes.split(","))
+    shared = {
+        b: shared_prefix_benchmark(times, b, prompt, comp) for b in backends if b in ("fla-hybrid", "chunked-triton")
+    }
+    ideal = (prompt + SHARED_G * comp) / (SHARED_G * (prompt + comp))
 
     ratios = {"ideal shared / naive": ideal}
     for backend in backends:
