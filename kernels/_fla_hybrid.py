@@ -283,7 +283,7 @@ class FlaHybrid(torch.autograd.Function):
         o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **index)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, initial_state, cu_seqlens, chunks)
         ctx.scale, ctx.use_qk_l2norm, ctx.prompt_len = scale, use_qk_l2norm, prompt_len
-        return o.to(q.dtype), final_state if output_final_state else None
+        return o.to(q.dtype), final_state
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
