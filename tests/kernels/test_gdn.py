@@ -145,6 +145,16 @@ def test_invalid_arguments_are_refused() -> None:
             chunk_gated_delta_rule(*ys[:5], cu_seqlens=torch.tensor(cu))
 
 
+def _interpreted_error(script: str, timeout: int) -> float:
+    """Run ``script`` in a fresh process under Triton's CPU interpreter; the last line it prints, as a float."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_triton_recurrence_matches_torch_loop_in_interpreter() -> None:
     """Our Triton kernels, run by Triton's CPU interpreter, against the torch loop."""
@@ -172,12 +182,7 @@ def test_triton_recurrence_matches_torch_loop_in_interpreter() -> None:
         print(worst)
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+    assert _interpreted_error(script, timeout=120) < 1e-6
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -228,12 +233,7 @@ def test_hybrid_dqkwg_matches_autograd_in_interpreter() -> None:
         print(max(float((a.double() - b).norm() / b.norm()) for a, b in zip(got, want)))
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    assert _interpreted_error(script, timeout=300) < 1e-5
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="fla-hybrid's module needs Triton")
