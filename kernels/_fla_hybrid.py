@@ -145,30 +145,29 @@ def chunk_bwd_dqkwg(
     return dq, dk, dw, dg
 
 
-class _Index(NamedTuple):
-    """Where fla's varlen kernels run: a token range, its ``cu_seqlens`` and chunk indices."""
+class _Phase(NamedTuple):
+    """Sequences whose state recurrence runs in one launch: their ``cu_seqlens`` and chunk offsets.
 
-    tokens: slice
+    Both are slices of the whole input's, so token and chunk positions stay absolute: every phase
+    reads and writes the same full-size tensors, and no phase's inputs or outputs are copied.
+    """
+
     cu_seqlens: torch.Tensor
-    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
 
 
-def _phases(cu: torch.Tensor, chunks: torch.Tensor, prompt_len: int | None) -> tuple[_Index, ...]:
+def _phases(cu: torch.Tensor, shared_prompt: bool) -> tuple[_Phase, ...]:
     """The state recurrence's phases: all sequences at once, or (prompt, completions) for a shared prompt.
 
-    With ``prompt_len``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
+    With ``shared_prompt``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
     completions start from the prompt's final state, so their recurrence runs after the prompt's.
     Everything here stays on the device (no host sync).
     """
-    if prompt_len is None:
-        return (_Index(slice(None), cu, chunks),)
-    n_prompt = -(-prompt_len // CHUNK)
-    completion_chunks = chunks[n_prompt:].clone()
-    completion_chunks[:, 0] -= 1
-    return (
-        _Index(slice(0, prompt_len), cu[:2], chunks[:n_prompt]),
-        _Index(slice(prompt_len, None), cu[1:] - prompt_len, completion_chunks),
-    )
+    chunk_counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    offsets = torch.cat([cu.new_zeros(1), chunk_counts.cumsum(0)])
+    if not shared_prompt:
+        return (_Phase(cu, offsets),)
+    return _Phase(cu[:2], offsets[:2]), _Phase(cu[1:], offsets[1:])
 
 
 def _fwd_h(
@@ -178,30 +177,33 @@ def _fwd_h(
     g: torch.Tensor,
     h0: torch.Tensor | None,
     output_final_state: bool,
-    phases: tuple[_Index, ...],
+    phases: tuple[_Phase, ...],
+    n_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
-    """fla's ``chunk_gated_delta_rule_fwd_h`` over the phases.
+    """fla's forward state recurrence (``chunk_gated_delta_rule_fwd_h``'s kernel), one launch per phase.
 
     Returns per-chunk states, ``v_new``, the final states and each phase's initial states (the
     completions start from the prompt's final state, fanned out).
     """
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
 
-    hs, v_news, starts = [], [], [h0]
+    _, total, heads, k_dim = k.shape
+    v_heads, v_dim = u.shape[2], u.shape[3]
+    h = k.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
+    v_new = torch.empty_like(u)
+    starts = [h0]
     for n, phase in enumerate(phases):
-        last = n == len(phases) - 1
-        h, v_new, final = chunk_gated_delta_rule_fwd_h(
-            k=k[:, phase.tokens], w=w[:, phase.tokens], u=u[:, phase.tokens], g=g[:, phase.tokens],
-            initial_state=starts[n], output_final_state=output_final_state or not last,
-            cu_seqlens=phase.cu_seqlens, chunk_indices=phase.chunk_indices, chunk_size=CHUNK,
+        n_seq, last = phase.cu_seqlens.numel() - 1, n == len(phases) - 1
+        keep = output_final_state or not last
+        final = k.new_empty(n_seq, v_heads, k_dim, v_dim, dtype=torch.float32) if keep else None
+        kernel[lambda meta, n_seq=n_seq: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](
+            k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=starts[n], ht=final, cu_seqlens=phase.cu_seqlens,
+            chunk_offsets=phase.chunk_offsets, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
+            STATE_V_FIRST=False,
         )  # fmt: skip
-        hs.append(h)
-        v_news.append(v_new)
         if not last:
             starts.append(final.expand(phases[n + 1].cu_seqlens.numel() - 1, *final.shape[1:]).contiguous())
-    if len(phases) == 1:
-        return hs[0], v_news[0], final, starts
-    return torch.cat(hs, dim=1), torch.cat(v_news, dim=1), final, starts
+    return h, v_new, final, starts
 
 
 def _bwd_dhu(
@@ -214,32 +216,35 @@ def _bwd_dhu(
     do: torch.Tensor,
     dv: torch.Tensor,
     scale: float,
-    phases: tuple[_Index, ...],
+    phases: tuple[_Phase, ...],
+    n_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """fla's ``chunk_gated_delta_rule_bwd_dhu`` over the phases, last first: the completions'
-    initial-state gradients, summed, are the gradient of the prompt's final state."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    """fla's backward state recurrence (``chunk_gated_delta_rule_bwd_dhu``'s kernel), phases last first:
+    the completions' initial-state gradients, summed, are the gradient of the prompt's final state."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
 
-    dhs, dvs = [], []
+    _, total, heads, k_dim = q.shape
+    v_heads, v_dim = do.shape[2], do.shape[3]
+    dh = q.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
+    dv2 = torch.empty_like(dv)
+    dh0 = None
     for n in reversed(range(len(phases))):
-        phase, t = phases[n], phases[n].tokens
-        dh, dh0, dv_phase = chunk_gated_delta_rule_bwd_dhu(
-            q=q[:, t], k=k[:, t], w=w[:, t], g=g[:, t], h0=starts[n], dht=dht, do=do[:, t], dv=dv[:, t],
-            scale=scale, cu_seqlens=phase.cu_seqlens, chunk_indices=phase.chunk_indices, chunk_size=CHUNK,
+        n_seq = phases[n].cu_seqlens.numel() - 1
+        dh0 = None if starts[n] is None else torch.empty_like(starts[n], dtype=torch.float32)
+        kernel[lambda meta, n_seq=n_seq: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](
+            q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
+            cu_seqlens=phases[n].cu_seqlens, chunk_offsets=phases[n].chunk_offsets, scale=scale, T=total,
+            H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK, STATE_V_FIRST=False,
         )  # fmt: skip
-        dhs.insert(0, dh)
-        dvs.insert(0, dv_phase)
         if n:
             dht = dh0.sum(0, keepdim=True)
-    if len(phases) == 1:
-        return dhs[0], dh0, dvs[0]
-    return torch.cat(dhs, dim=1), dh0, torch.cat(dvs, dim=1)
+    return dh, dh0, dv2
 
 
 class FlaHybrid(torch.autograd.Function):
     """fla's ``chunk_gated_delta_rule`` (packed, varlen) with :func:`chunk_bwd_dqkwg` in the backward.
 
-    With ``prompt_len``, sequence 0 is a prompt shared by all other sequences (its completions):
+    With ``shared_prompt``, sequence 0 is a prompt shared by all other sequences (its completions):
     the chunk-parallel kernels run once over everything, the state recurrence in two phases.
     """
 
@@ -256,7 +261,7 @@ class FlaHybrid(torch.autograd.Function):
         output_final_state: bool,
         cu_seqlens: torch.Tensor,
         use_qk_l2norm: bool,
-        prompt_len: int | None,
+        shared_prompt: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from fla.modules.norm.l2norm import l2norm_fwd
         from fla.ops.common.chunk_o import chunk_fwd_o
@@ -278,11 +283,11 @@ class FlaHybrid(torch.autograd.Function):
         # As fla 0.6's chunk_gated_delta_rule_fwd composes these, with the recurrence in phases.
         g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **index)
         w, u, a = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **index)
-        phases = _phases(cu_seqlens, chunks, prompt_len)
-        h, v_new, final_state, _ = _fwd_h(k, w, u, g, initial_state, output_final_state, phases)
+        ctx.phases = phases = _phases(cu_seqlens, shared_prompt)
+        h, v_new, final_state, _ = _fwd_h(k, w, u, g, initial_state, output_final_state, phases, len(chunks))
         o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **index)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, initial_state, cu_seqlens, chunks)
-        ctx.scale, ctx.use_qk_l2norm, ctx.prompt_len = scale, use_qk_l2norm, prompt_len
+        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
         return o.to(q.dtype), final_state
 
     @staticmethod
@@ -297,12 +302,12 @@ class FlaHybrid(torch.autograd.Function):
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         index = {"cu_seqlens": cu, "chunk_indices": chunks}
-        phases = _phases(cu, chunks, ctx.prompt_len)
+        phases = ctx.phases
         # As fla 0.6's chunk_gated_delta_rule_bwd composes these, with our chunk_bwd_dqkwg.
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=g, **index)
-        h, v_new, _, starts = _fwd_h(k, w, u, g, h0, False, phases)
+        h, v_new, _, starts = _fwd_h(k, w, u, g, h0, False, phases, len(chunks))
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=ctx.scale, chunk_size=CHUNK, **index)
-        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, dht, do, dv, ctx.scale, phases)
+        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, dht, do, dv, ctx.scale, phases, len(chunks))
         dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
         dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, **index)
         dk = dk + dk2

@@ -198,11 +198,11 @@ def run_fla(
     scale: float,
     use_qk_l2norm: bool,
     hybrid: bool,
-    prompt_len: int | None = None,
+    shared_prompt: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's kernels (``hybrid``: with our own ``chunk_bwd_dqkwg``, see :mod:`._fla_hybrid`; packed input only).
 
-    ``prompt_len`` (hybrid only): sequence 0 is a prompt that every other sequence continues.
+    ``shared_prompt`` (hybrid only): sequence 0 is a prompt that every other sequence continues.
     """
     total = q.shape[1]
     n_valid = total if cu_seqlens is None else int(cu_seqlens[-1])
@@ -212,7 +212,7 @@ def run_fla(
         from model_support.kernels._fla_hybrid import FlaHybrid
 
         o, final = FlaHybrid.apply(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm, prompt_len
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm, shared_prompt
         )
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule

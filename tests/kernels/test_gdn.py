@@ -237,19 +237,17 @@ def test_hybrid_dqkwg_matches_autograd_in_interpreter() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="fla-hybrid's module needs Triton")
-def test_hybrid_shared_prompt_phases_index_each_recurrence_from_zero() -> None:
-    """fla-hybrid's two recurrence phases (prompt, then its completions) get their own token range,
-    cu_seqlens and chunk indices, each starting at sequence 0, cut from the joined ones on the device."""
+def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -> None:
+    """fla-hybrid's two recurrence phases (prompt, then its completions) are slices of the joined
+    cu_seqlens and of the chunk offsets computed from it on the device, so both phases index the
+    same full-size tensors."""
     from model_support.kernels._fla_hybrid import _phases
 
     cu = torch.tensor([0, 130, 131, 195, 265])  # prompt of 130 tokens (3 chunks), completions 1, 64, 70
-    chunks = torch.tensor([[0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [3, 0], [3, 1]])
-    prompt, completions = _phases(cu, chunks, prompt_len=130)
-    assert prompt.tokens == slice(0, 130) and completions.tokens == slice(130, None)
+    prompt, completions = _phases(cu, shared_prompt=True)
     assert prompt.cu_seqlens.tolist() == [0, 130]
-    assert prompt.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2]]
-    assert completions.cu_seqlens.tolist() == [0, 1, 65, 135]
-    assert completions.chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]]
-    assert chunks[3:, 0].tolist() == [1, 2, 3, 3]  # the joined indices are left as they were
-    (whole,) = _phases(cu, chunks, prompt_len=None)
-    assert whole.tokens == slice(None) and whole.cu_seqlens is cu and whole.chunk_indices is chunks
+    assert prompt.chunk_offsets[:1].tolist() == [0]
+    assert completions.cu_seqlens.tolist() == [130, 131, 195, 265]
+    assert completions.chunk_offsets[:3].tolist() == [3, 4, 5]
+    (whole,) = _phases(cu, shared_prompt=False)
+    assert whole.cu_seqlens is cu and whole.chunk_offsets.tolist() == [0, 3, 4, 5, 7]

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from model_support.kernels import GDNInputs, chunk_gated_delta_rule, shared_prefix_gated_delta_rule
+from model_support.kernels import (
+    GDNInputs,
+    chunk_gated_delta_rule,
+    packed_shared_prefix_gated_delta_rule,
+    shared_prefix_gated_delta_rule,
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,3 +77,51 @@ def test_shared_prefix_outputs_and_gradients_match_unshared() -> None:
         strict=True,
     ):
         assert _rel(a, b) < 1e-10, name
+
+
+def test_packed_row_matches_separate_parts_and_zeroes_trailing_padding() -> None:
+    """One packed row [prompt, completions..., padding] gives the same outputs and gradients as the
+    prompt and completions passed apart; the padding gets zero output and zero gradient."""
+    gen = torch.Generator().manual_seed(11)
+    prompt_len, completion_lens, pad, heads, dim = 67, [3, 64, 20], 5, 2, 16
+    total = prompt_len + sum(completion_lens) + pad
+    row = GDNInputs(
+        torch.randn(1, total, heads, dim, generator=gen, dtype=torch.float64),
+        torch.randn(1, total, heads, dim, generator=gen, dtype=torch.float64),
+        torch.randn(1, total, heads, dim, generator=gen, dtype=torch.float64),
+        F.logsigmoid(torch.randn(1, total, heads, generator=gen, dtype=torch.float64) + 3.0),
+        torch.rand(1, total, heads, generator=gen, dtype=torch.float64),
+    )
+    leaves = [x.clone().requires_grad_() for x in row]
+    cu = torch.tensor([0, *torch.tensor([prompt_len, *completion_lens]).cumsum(0).tolist()])
+    o, final = packed_shared_prefix_gated_delta_rule(*leaves, cu, output_final_state=True, use_qk_l2norm=True)
+
+    parts = [x.clone().requires_grad_() for x in row]
+    end = int(cu[-1])
+    apart = shared_prefix_gated_delta_rule(
+        GDNInputs(*(x[:, :prompt_len] for x in parts)),
+        GDNInputs(*(x[:, prompt_len:end] for x in parts)),
+        cu[1:] - prompt_len,
+        output_final_state=True,
+        use_qk_l2norm=True,
+    )
+    assert _rel(o[:, :prompt_len], apart.prefix) < 1e-12
+    assert _rel(o[:, prompt_len:end], apart.completions) < 1e-12
+    assert _rel(final, apart.final_state) < 1e-12
+    assert final.shape == (len(completion_lens), heads, dim, dim)
+    assert o[:, end:].abs().max() == 0
+
+    weight = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((o * weight).sum() + final.sum(), leaves)
+    apart_out = torch.cat([apart.prefix, apart.completions], dim=1)
+    want = torch.autograd.grad((apart_out * weight[:, :end]).sum() + apart.final_state.sum(), parts)
+    for name, a, b in zip(GDNInputs._fields, got, want, strict=True):
+        assert _rel(a[:, :end], b[:, :end]) < 1e-10, name
+        assert a[:, end:].abs().max() == 0, name
+
+
+def test_packed_row_without_a_completion_is_refused() -> None:
+    x = torch.randn(1, 10, 1, 8, dtype=torch.float64)
+    g, beta = torch.zeros(1, 10, 1, dtype=torch.float64), torch.ones(1, 10, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="a prompt and at least one completion, got \\[0, 10\\]"):
+        packed_shared_prefix_gated_delta_rule(x, x, x, g, beta, torch.tensor([0, 10]))
