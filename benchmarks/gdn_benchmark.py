@@ -42,7 +42,13 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from model_support.kernels import GDNInputs, chunk_gated_delta_rule, select_backend, shared_prefix_gated_delta_rule
+from model_support.kernels import (
+    GDNInputs,
+    chunk_gated_delta_rule,
+    packed_shared_prefix_gated_delta_rule,
+    select_backend,
+    shared_prefix_gated_delta_rule,
+)
 from model_support.kernels.reference import recurrent_gated_delta_rule
 
 DEVICE = torch.device("cuda")
@@ -153,10 +159,15 @@ def shared_prefix_gradients(errors: dict[str, float], backend: str) -> None:
             note(errors, f"{tag} {part} grad {name}", rel(grads[offset + i], ref_grads[offset + i]))
 
 
-def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
-    def run() -> None:
+Step = Callable[[], tuple[torch.Tensor, ...] | None]
+
+
+def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Step:
+    """One forward and backward of ``fn``; returns the gradients of ``leaves`` (upstream gradient 1)."""
+
+    def run() -> tuple[torch.Tensor, ...]:
         out = fn()
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     return run
 
@@ -171,15 +182,19 @@ def record(times: dict[str, float], key: str, ms: float) -> None:
     print(f"  {key:50s} {ms:9.3f} ms", flush=True)
 
 
-def kernel_ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    """Summed GPU kernel time of one call (profiler), without the host's share of the wall time."""
+def kernel_ms(fn: Callable[[], object], repeats: int = 5, print_table: bool = False) -> float:
+    """Summed GPU kernel time of one call (profiler), without the host's share of the wall time;
+    ``print_table``: also print the kernels, most time first (totals over ``repeats`` calls)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000.0 / repeats
+    events = prof.key_averages()
+    if print_table:
+        print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70), flush=True)
+    return sum(e.self_device_time_total for e in events) / 1000.0 / repeats
 
 
 N_SEQ, SEQ_LEN, HEADS, DIM = 16, 2048, 16, 128
@@ -252,43 +267,73 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str], backends: l
 SHARED_G = 8
 
 
-def shared_prefix_steps(
-    backend: str, prompt: int = 2048, comp: int = 512
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """One fwd+bwd step of G completions over one prompt: (shared prefix, naive packing of G rows)."""
+def shared_prefix_steps(backend: str, prompt: int = 2048, comp: int = 512) -> tuple[Step, Step]:
+    """One fwd+bwd step of G completions over one prompt: (shared prefix, naive packing of G rows).
+
+    Both take one packed row, as a model layer would: ``[prompt, completion 1, ..., completion G]``
+    for the shared prefix, ``[prompt, completion 1, ..., prompt, completion G]`` for naive packing.
+    """
     n_comp = SHARED_G
-    prefix = make_inputs(prompt, HEADS, DIM, torch.bfloat16, seed=2, grad=True)
-    completions = make_inputs(n_comp * comp, HEADS, DIM, torch.bfloat16, seed=3, grad=True)
-    comp_cu = cu_from_lengths([comp] * n_comp)
-    rows = GDNInputs(
+    shared_row = make_inputs(prompt + n_comp * comp, HEADS, DIM, torch.bfloat16, seed=2, grad=True)
+    shared_cu = cu_from_lengths([prompt] + [comp] * n_comp)
+    naive_row = GDNInputs(
         *(
-            torch.cat([torch.cat([p, c[:, i * comp : (i + 1) * comp]], dim=1) for i in range(n_comp)], dim=1)
+            torch.cat([torch.cat([x[:, :prompt], x[:, prompt + i * comp :][:, :comp]], 1) for i in range(n_comp)], 1)
             .detach()
             .requires_grad_()
-            for p, c in zip(prefix, completions, strict=True)
+            for x in shared_row
         )
     )
-    rows_cu = cu_from_lengths([prompt + comp] * n_comp)
+    naive_cu = cu_from_lengths([prompt + comp] * n_comp)
 
     def shared() -> torch.Tensor:
-        out = shared_prefix_gated_delta_rule(prefix, completions, comp_cu, use_qk_l2norm=True, backend=backend)
-        return torch.cat([out.prefix, out.completions], dim=1)
+        return packed_shared_prefix_gated_delta_rule(*shared_row, shared_cu, use_qk_l2norm=True, backend=backend)[0]
 
     def naive() -> torch.Tensor:
-        return chunk_gated_delta_rule(*rows, cu_seqlens=rows_cu, use_qk_l2norm=True, backend=backend)[0]
+        return chunk_gated_delta_rule(*naive_row, cu_seqlens=naive_cu, use_qk_l2norm=True, backend=backend)[0]
 
-    return fwd_bwd(shared, [*prefix, *completions]), fwd_bwd(naive, list(rows))
+    return fwd_bwd(shared, list(shared_row)), fwd_bwd(naive, list(naive_row))
 
 
-def shared_prefix_benchmark(times: dict[str, float], backend: str, prompt: int, comp: int) -> float:
-    """Shared-prefix / naive-packing fwd+bwd time ratio for G completions over one prompt."""
+def graphed(step: Step) -> Step:
+    """``step`` captured in a CUDA graph (after warm-up on a side stream): its replay issues every
+    kernel at once, so timing it measures the GPU's work without the host's launch overhead."""
+    stream = torch.cuda.Stream(DEVICE)
+    stream.wait_stream(torch.cuda.current_stream(DEVICE))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(DEVICE).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def shared_prefix_benchmark(
+    times: dict[str, float], backend: str, prompt: int, comp: int, kernel_table: bool
+) -> dict[str, float]:
+    """Shared-prefix / naive-packing fwd+bwd time ratios for G completions over one prompt: on the
+    wall clock, in summed GPU kernel time and (fla-hybrid, which never syncs with the host inside a
+    step) as CUDA-graph replays."""
     shared, naive = shared_prefix_steps(backend, prompt, comp)
-    shared_key, naive_key = f"{backend} shared-prefix fwd+bwd", f"{backend} naive packing fwd+bwd"
-    record(times, shared_key, bench(shared))
-    record(times, naive_key, bench(naive))
-    record(times, f"{shared_key}, GPU kernels only", kernel_ms(shared))
-    record(times, f"{naive_key}, GPU kernels only", kernel_ms(naive))
-    return times[shared_key] / times[naive_key]
+    ratios: dict[str, float] = {}
+    cases = {"": (shared, naive)}
+    if backend == "fla-hybrid":
+        cases[", CUDA graph"] = (graphed(shared), graphed(naive))
+    for suffix, (shared_step, naive_step) in cases.items():
+        shared_key = f"{backend} shared-prefix fwd+bwd{suffix}"
+        naive_key = f"{backend} naive packing fwd+bwd{suffix}"
+        record(times, shared_key, bench(shared_step))
+        record(times, naive_key, bench(naive_step))
+        ratios[f"{backend} shared / naive fwd+bwd time{suffix}"] = times[shared_key] / times[naive_key]
+    for key, step in (("shared-prefix", shared), ("naive packing", naive)):
+        record(times, f"{backend} {key} fwd+bwd, GPU kernels only", kernel_ms(step, print_table=kernel_table))
+    ratios[f"{backend} shared / naive GPU kernel time"] = (
+        times[f"{backend} shared-prefix fwd+bwd, GPU kernels only"]
+        / times[f"{backend} naive packing fwd+bwd, GPU kernels only"]
+    )
+    return ratios
 
 
 def main() -> None:
@@ -303,6 +348,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--shared-sizes", default="2048,512", help="prompt and completion lengths P,C of the shared-prefix case"
+    )
+    parser.add_argument(
+        "--kernel-table", action="store_true", help="print the GPU kernels of the shared-prefix and naive steps"
     )
     parser.add_argument(
         "--backends",
@@ -341,9 +389,10 @@ def main() -> None:
     print(f"reference timed in a child without fla: {times}", flush=True)
     packed_benchmark(times, notes, backends)
     prompt, comp = (int(n) for n in args.shared_sizes.split(","))
-    shared = {
-        b: shared_prefix_benchmark(times, b, prompt, comp) for b in backends if b in ("fla-hybrid", "chunked-triton")
-    }
+    shared = {}
+    for backend in backends:
+        if backend in ("fla-hybrid", "chunked-triton"):
+            shared.update(shared_prefix_benchmark(times, backend, prompt, comp, args.kernel_table))
     ideal = (prompt + SHARED_G * comp) / (SHARED_G * (prompt + comp))
 
     ratios = {"ideal shared / naive": ideal}
@@ -356,13 +405,9 @@ def main() -> None:
         ratios["reference fwd+bwd / chunked-triton fwd+bwd (tf32)"] = (
             times["reference fwd+bwd"] / times["chunked-triton fwd+bwd (tf32 matmuls)"]
         )
-    for backend, ratio in shared.items():
-        ratios[f"{backend} shared / naive fwd+bwd time"] = ratio
-        ratios[f"{backend} shared / ideal"] = ratio / ideal
-        ratios[f"{backend} shared / naive GPU kernel time"] = (
-            times[f"{backend} shared-prefix fwd+bwd, GPU kernels only"]
-            / times[f"{backend} naive packing fwd+bwd, GPU kernels only"]
-        )
+    for key, ratio in shared.items():
+        ratios[key] = ratio
+        ratios[f"{key}, over ideal"] = ratio / ideal
     print("\ntimes (ms, median):")
     for key, value in times.items():
         print(f"  {key:40s} {value:9.3f}")

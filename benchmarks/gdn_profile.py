@@ -1,20 +1,41 @@
-"""Where the time of our chunked GDN goes on the GPU: the Triton recurrence alone, then a profile.
+"""Where the time of our GDN paths goes on the GPU.
 
 Run like ``gdn_benchmark.py`` (CUDA, project importable), as ``python -m benchmarks.gdn_profile``.
-First times the recurrence kernels by themselves for several settings (dot precision, value
-block, warps) on the packed shape (16 sequences x 32 chunks) and the shared-prompt shape (1
-sequence x 32 chunks), each checked against the torch loop; then prints the profiler's top
-CUDA kernels of one packed fwd+bwd (16 x 2048 tokens, 16 heads x 128, bf16).
+
+Default (chunked-triton): first times the recurrence kernels by themselves for several settings
+(dot precision, value block, warps) on the packed shape (16 sequences x 32 chunks) and the
+shared-prompt shape (1 sequence x 32 chunks), each checked against the torch loop; then prints the
+profiler's top CUDA kernels of one packed fwd+bwd (16 x 2048 tokens, 16 heads x 128, bf16).
+
+``--prompt-phase`` (fla-hybrid): the shared-prefix step (G=8 completions of 512 tokens over a
+2048-token prompt) with each launch setting of the prompt phase's state recurrence
+(``_fla_hybrid.PROMPT_PHASE_CONFIG``), against naive packing: CUDA-graph replay time, summed GPU
+kernel time, and the largest gradient difference from fla's autotuned setting.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gdn_benchmark import DIM, HEADS, N_SEQ, SEQ_LEN, bench, cu_from_lengths, fwd_bwd, make_inputs, rel
+from benchmarks.gdn_benchmark import (
+    DIM,
+    HEADS,
+    N_SEQ,
+    SEQ_LEN,
+    SHARED_G,
+    bench,
+    cu_from_lengths,
+    fwd_bwd,
+    graphed,
+    kernel_ms,
+    make_inputs,
+    rel,
+    shared_prefix_steps,
+)
 from model_support.kernels import _triton_recurrence, chunk_gated_delta_rule
 from model_support.kernels._recurrence import ChunkSchedule, _loop_backward, _loop_forward
 
@@ -65,7 +86,38 @@ def recurrence_sweep() -> None:
             )
 
 
+PROMPT_PHASE_CONFIGS = [None, (64, 4, 2), (32, 4, 2), (32, 2, 3), (16, 4, 2), (16, 2, 2), (16, 4, 3), (16, 8, 2)]
+
+
+def prompt_phase_sweep() -> None:
+    from model_support.kernels import _fla_hybrid
+
+    ideal = (2048 + SHARED_G * 512) / (SHARED_G * (2048 + 512))
+    shared, naive = shared_prefix_steps("fla-hybrid")
+    naive_graph, naive_gpu = bench(graphed(naive)), kernel_ms(naive)
+    print(f"naive packing: CUDA graph {naive_graph:.3f} ms, GPU kernels {naive_gpu:.3f} ms; ideal ratio {ideal:.3f}")
+    reference = None
+    for config in PROMPT_PHASE_CONFIGS:
+        _fla_hybrid.PROMPT_PHASE_CONFIG = config
+        grads = shared()
+        reference = grads if reference is None else reference
+        diff = max(rel(a, b) for a, b in zip(grads, reference, strict=True))
+        t_graph, t_gpu = bench(graphed(shared)), kernel_ms(shared)
+        print(
+            f"prompt phase {config!s:13s}: CUDA graph {t_graph:.3f} ms ({t_graph / naive_graph:.3f} of naive), "
+            f"GPU kernels {t_gpu:.3f} ms ({t_gpu / naive_gpu:.3f}), grad diff vs autotuned {diff:.1e}",
+            flush=True,
+        )
+    _fla_hybrid.PROMPT_PHASE_CONFIG = None
+    kernel_ms(shared, print_table=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-phase", action="store_true", help="fla-hybrid prompt-phase launch settings")
+    if parser.parse_args().prompt_phase:
+        prompt_phase_sweep()
+        return
     defaults = (_triton_recurrence.DOT_PRECISION, _triton_recurrence.BLOCK_V, _triton_recurrence.NUM_WARPS)
     recurrence_sweep()
     _triton_recurrence.DOT_PRECISION, _triton_recurrence.BLOCK_V, _triton_recurrence.NUM_WARPS = defaults

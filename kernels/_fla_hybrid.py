@@ -24,6 +24,11 @@ import triton.language as tl
 CHUNK = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
+# Launch settings (value block, warps, pipeline stages) of the state recurrence kernels for a shared
+# prompt's phase; None keeps fla's autotuned choice. fla tunes one setting per head shape for every
+# call, but the prompt phase is one sequence: 16 heads x 2 value blocks of 64 leave most of an H100
+# idle while its chunks run one after another (benchmarks/gdn_profile.py --prompt-phase compares).
+PROMPT_PHASE_CONFIG: tuple[int, int, int] | None = None
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -154,6 +159,22 @@ class _Phase(NamedTuple):
 
     cu_seqlens: torch.Tensor
     chunk_offsets: torch.Tensor
+    config: tuple[int, int, int] | None = None
+    """(BV, num_warps, num_stages) for fla's recurrence kernels; None: fla's autotuner picks."""
+
+
+def _launch(kernel: Any, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -> None:
+    """Launch one of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence,
+    value head and value block), through fla's autotuner or with the phase's own settings."""
+    n_seq = phase.cu_seqlens.numel() - 1
+    args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
+    if phase.config is None:
+        kernel[lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](**args)
+        return
+    block_v, warps, stages = phase.config
+    flags = {name: rule(args) for name, rule in kernel.values.items()}  # fla's triton.heuristics
+    grid = (triton.cdiv(v_dim, block_v) * n_seq * v_heads,)
+    kernel.fn.fn[grid](**args, **flags, BV=block_v, num_warps=warps, num_stages=stages)
 
 
 def _phases(cu: torch.Tensor, shared_prompt: bool) -> tuple[_Phase, ...]:
@@ -167,7 +188,7 @@ def _phases(cu: torch.Tensor, shared_prompt: bool) -> tuple[_Phase, ...]:
     offsets = torch.cat([cu.new_zeros(1), chunk_counts.cumsum(0)])
     if not shared_prompt:
         return (_Phase(cu, offsets),)
-    return _Phase(cu[:2], offsets[:2]), _Phase(cu[1:], offsets[1:])
+    return _Phase(cu[:2], offsets[:2], PROMPT_PHASE_CONFIG), _Phase(cu[1:], offsets[1:])
 
 
 def _fwd_h(
@@ -196,10 +217,9 @@ def _fwd_h(
         n_seq, last = phase.cu_seqlens.numel() - 1, n == len(phases) - 1
         keep = output_final_state or not last
         final = k.new_empty(n_seq, v_heads, k_dim, v_dim, dtype=torch.float32) if keep else None
-        kernel[lambda meta, n_seq=n_seq: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](
-            k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=starts[n], ht=final, cu_seqlens=phase.cu_seqlens,
-            chunk_offsets=phase.chunk_offsets, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
-            STATE_V_FIRST=False,
+        _launch(
+            kernel, phase, v_heads, v_dim, k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=starts[n], ht=final,
+            T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim,
         )  # fmt: skip
         if not last:
             starts.append(final.expand(phases[n + 1].cu_seqlens.numel() - 1, *final.shape[1:]).contiguous())
@@ -229,12 +249,10 @@ def _bwd_dhu(
     dv2 = torch.empty_like(dv)
     dh0 = None
     for n in reversed(range(len(phases))):
-        n_seq = phases[n].cu_seqlens.numel() - 1
         dh0 = None if starts[n] is None else torch.empty_like(starts[n], dtype=torch.float32)
-        kernel[lambda meta, n_seq=n_seq: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](
-            q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2,
-            cu_seqlens=phases[n].cu_seqlens, chunk_offsets=phases[n].chunk_offsets, scale=scale, T=total,
-            H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK, STATE_V_FIRST=False,
+        _launch(
+            kernel, phases[n], v_heads, v_dim, q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv,
+            dv2=dv2, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim,
         )  # fmt: skip
         if n:
             dht = dh0.sum(0, keepdim=True)

@@ -186,6 +186,36 @@ def run_chunked(
     return layout.from_chunks(o, total)[None], s_final
 
 
+class _LastIndex:
+    """``cu_seqlens`` as int64 and its valid token count, kept for the last ``cu_seqlens`` tensor seen.
+
+    Every GDN layer of a model gets the same ``cu_seqlens`` tensor in a step. Reading its last entry
+    synchronises host and device, so it happens once per tensor, not once per layer. fla's index
+    helpers cache by tensor identity too (``fla.utils.tensor_cache``), so the int64 copy handed to
+    them must be the same tensor each time; then a step captured in a CUDA graph syncs nowhere.
+    As in fla, changing a ``cu_seqlens`` tensor in place between calls is not supported.
+    """
+
+    def __init__(self) -> None:
+        self._key: torch.Tensor | None = None
+        self._value: tuple[torch.Tensor, int] = (torch.zeros(1, dtype=torch.long), 0)
+
+    def __call__(self, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self._key is not cu_seqlens:
+            self._value = (cu_seqlens.long(), int(cu_seqlens[-1]))
+            self._key = cu_seqlens
+        return self._value
+
+
+_fla_index = _LastIndex()
+
+
+@functools.cache
+def _batched_cu_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` of ``batch`` rows of ``length`` tokens; one tensor per shape, so fla's caches hit."""
+    return torch.arange(batch + 1, device=device, dtype=torch.long) * length
+
+
 def run_fla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -205,14 +235,17 @@ def run_fla(
     ``shared_prompt`` (hybrid only): sequence 0 is a prompt that every other sequence continues.
     """
     total = q.shape[1]
-    n_valid = total if cu_seqlens is None else int(cu_seqlens[-1])
+    if cu_seqlens is None:
+        n_valid = total
+    else:
+        cu_seqlens, n_valid = _fla_index(cu_seqlens)
     if n_valid < total:
         q, k, v, g, beta = (x[:, :n_valid] for x in (q, k, v, g, beta))
     if hybrid:
         from model_support.kernels._fla_hybrid import FlaHybrid
 
         o, final = FlaHybrid.apply(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens.long(), use_qk_l2norm, shared_prompt
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, shared_prompt
         )
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
@@ -227,7 +260,7 @@ def run_fla(
             initial_state=initial_state,
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm,
-            cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+            cu_seqlens=cu_seqlens,
         )
     if n_valid < total:
         o = torch.cat([o, o.new_zeros(1, total - n_valid, *o.shape[2:])], dim=1)
@@ -297,7 +330,7 @@ def chunk_gated_delta_rule(
         return run_fla(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, scale, use_qk_l2norm, False)
 
     if cu_seqlens is None:
-        cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * total
+        cu = _batched_cu_seqlens(batch, total, q.device)
         q, k, v, g, beta = (x.reshape(1, batch * total, *x.shape[2:]) for x in (q, k, v, g, beta))
     else:
         cu = cu_seqlens

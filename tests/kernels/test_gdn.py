@@ -251,3 +251,17 @@ def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -
     assert completions.chunk_offsets[:3].tolist() == [3, 4, 5]
     (whole,) = _phases(cu, shared_prompt=False)
     assert whole.cu_seqlens is cu and whole.chunk_offsets.tolist() == [0, 3, 4, 5, 7]
+
+
+def test_fla_index_is_read_once_per_cu_seqlens_tensor() -> None:
+    """fla's index helpers cache by tensor identity: the same cu_seqlens must give the same int64 tensor
+    (no new host sync per layer), and a different tensor must be read afresh."""
+    from model_support.kernels.gdn import _LastIndex
+
+    index = _LastIndex()
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    first, n_valid = index(cu)
+    assert first.dtype == torch.long and first.tolist() == [0, 5, 9] and n_valid == 9
+    assert index(cu)[0] is first
+    other, n_other = index(torch.tensor([0, 3], dtype=torch.int32))
+    assert other is not first and n_other == 3
