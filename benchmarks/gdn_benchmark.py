@@ -81,7 +81,8 @@ def note(errors: dict[str, float], key: str, value: float) -> None:
 
 
 def correctness(backends: list[str]) -> dict[str, float]:
-    """Relative errors on the GPU against the float64 recurrence (ragged lengths, l2norm on)."""
+    """Relative errors on the GPU against the float64 recurrence (ragged lengths, l2norm on); every
+    float32 check first (shared prefix included), then bfloat16."""
     lengths = [1, 64, 300, 700]
     cu = cu_from_lengths(lengths)
     x64 = make_inputs(sum(lengths), 4, 128, torch.float64, seed=0, grad=True)
@@ -89,9 +90,8 @@ def correctness(backends: list[str]) -> dict[str, float]:
     weight = torch.randn_like(ref_o)
     ref_grads = torch.autograd.grad((ref_o * weight).sum() + ref_s.sum(), x64)
     errors: dict[str, float] = {}
-    runs = [(b, torch.float32) for b in backends]
-    runs += [(b, torch.bfloat16) for b in backends if b != "torch-chunked"]
-    for backend, dtype in runs:
+
+    def packed(backend: str, dtype: torch.dtype) -> None:
         start = time.perf_counter()
         tag = f"{backend} {'fp32' if dtype == torch.float32 else 'bf16'}"
         xd = GDNInputs(*(x.detach().to(dtype).requires_grad_() for x in x64))
@@ -102,13 +102,19 @@ def correctness(backends: list[str]) -> dict[str, float]:
         for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, ref_grads, strict=True):
             note(errors, f"{tag} grad {name}", rel(a, b))
         print(f"  ({tag}: {time.perf_counter() - start:.0f} s, compilation included)", flush=True)
+
+    for backend in backends:
+        packed(backend, torch.float32)
+    for backend in backends:
+        shared_prefix_gradients(errors, backend)
+    for backend in backends:
+        if backend != "torch-chunked":
+            packed(backend, torch.bfloat16)
     with torch.no_grad():
         xb = GDNInputs(*(x.detach().bfloat16() for x in x64))
         o_fla, _ = chunk_gated_delta_rule(*xb, cu_seqlens=cu, use_qk_l2norm=True, backend="fla")
     note(errors, "fla bf16 forward output", rel(o_fla, ref_o))
 
-    for backend in backends:
-        shared_prefix_gradients(errors, backend)
     if "chunked-triton" not in backends:
         return errors
     # Shared prefix: our one-pass path against fla's two calls (bf16, forward).

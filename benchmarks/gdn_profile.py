@@ -86,7 +86,8 @@ def recurrence_sweep() -> None:
             )
 
 
-PROMPT_PHASE_CONFIGS = [None, (64, 4, 2), (32, 4, 2), (32, 2, 3), (16, 4, 2), (16, 2, 2), (16, 4, 3), (16, 8, 2)]
+# fla's autotuned setting first (the gradient reference), the default last as well (run-to-run drift).
+PROMPT_PHASE_CONFIGS = [None, (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 2, 4), (32, 4, 3), (32, 2, 4), (16, 4, 3)]
 
 
 def prompt_phase_sweep() -> None:
@@ -96,7 +97,7 @@ def prompt_phase_sweep() -> None:
     shared, naive = shared_prefix_steps("fla-hybrid")
     naive_graph, naive_gpu = bench(graphed(naive)), kernel_ms(naive)
     print(f"naive packing: CUDA graph {naive_graph:.3f} ms, GPU kernels {naive_gpu:.3f} ms; ideal ratio {ideal:.3f}")
-    reference = None
+    reference, default = None, _fla_hybrid.PROMPT_PHASE_CONFIG
     for config in PROMPT_PHASE_CONFIGS:
         _fla_hybrid.PROMPT_PHASE_CONFIG = config
         grads = shared()
@@ -108,8 +109,7 @@ def prompt_phase_sweep() -> None:
             f"GPU kernels {t_gpu:.3f} ms ({t_gpu / naive_gpu:.3f}), grad diff vs autotuned {diff:.1e}",
             flush=True,
         )
-    _fla_hybrid.PROMPT_PHASE_CONFIG = None
-    kernel_ms(shared, print_table=True)
+    _fla_hybrid.PROMPT_PHASE_CONFIG = default
 
 
 def main() -> None:

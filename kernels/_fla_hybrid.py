@@ -24,11 +24,13 @@ import triton.language as tl
 CHUNK = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
-# Launch settings (value block, warps, pipeline stages) of the state recurrence kernels for a shared
-# prompt's phase; None keeps fla's autotuned choice. fla tunes one setting per head shape for every
-# call, but the prompt phase is one sequence: 16 heads x 2 value blocks of 64 leave most of an H100
-# idle while its chunks run one after another (benchmarks/gdn_profile.py --prompt-phase compares).
-PROMPT_PHASE_CONFIG: tuple[int, int, int] | None = None
+# Launch settings (value block, warps, pipeline stages) of fla's state recurrence kernels wherever a
+# shared prompt's chunks set the pace; None keeps fla's autotuned choice. fla tunes one setting per
+# head shape, for many sequences at once. A prompt is one sequence: 16 heads x 2 value blocks of 64
+# leave most of an H100 idle while its chunks run one after another, and value blocks of 16 (4x the
+# programs, each with a shorter step) with a 3-stage load pipeline ran the shared-prefix step fastest
+# of the settings tried (docs/benchmarks.md; ``python -m benchmarks.gdn_profile --prompt-phase``).
+PROMPT_PHASE_CONFIG: tuple[int, int, int] | None = (16, 4, 3)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -177,18 +179,44 @@ def _launch(kernel: Any, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -
     kernel.fn.fn[grid](**args, **flags, BV=block_v, num_warps=warps, num_stages=stages)
 
 
-def _phases(cu: torch.Tensor, shared_prompt: bool) -> tuple[_Phase, ...]:
-    """The state recurrence's phases: all sequences at once, or (prompt, completions) for a shared prompt.
+class _Recurrence(NamedTuple):
+    """How the state recurrence runs: ``phases`` one after another (forward; reversed in the backward),
+    or every sequence ``together`` in one launch once all initial states are known (the backward's
+    recomputation of the forward's states)."""
+
+    phases: tuple[_Phase, ...]
+    together: _Phase
+
+
+def _recurrence(cu: torch.Tensor, shared_prompt: bool) -> _Recurrence:
+    """All sequences in one phase, or (prompt, completions) for a shared prompt.
 
     With ``shared_prompt``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
-    completions start from the prompt's final state, so their recurrence runs after the prompt's.
-    Everything here stays on the device (no host sync).
+    completions start from the prompt's final state, so in the forward their recurrence runs after the
+    prompt's. Everything here stays on the device (no host sync).
     """
     chunk_counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat([cu.new_zeros(1), chunk_counts.cumsum(0)])
     if not shared_prompt:
-        return (_Phase(cu, offsets),)
-    return _Phase(cu[:2], offsets[:2], PROMPT_PHASE_CONFIG), _Phase(cu[1:], offsets[1:])
+        whole = _Phase(cu, offsets)
+        return _Recurrence((whole,), whole)
+    # The prompt's chunks set the pace whenever it runs, alone or beside its completions.
+    prompt = _Phase(cu[:2], offsets[:2], PROMPT_PHASE_CONFIG)
+    return _Recurrence((prompt, _Phase(cu[1:], offsets[1:])), _Phase(cu, offsets, PROMPT_PHASE_CONFIG))
+
+
+def _initial_states(
+    h0: torch.Tensor | None, k: torch.Tensor, u: torch.Tensor, recurrence: _Recurrence
+) -> torch.Tensor | None:
+    """The initial state of every sequence: ``h0``, or for a shared prompt ``[prompt's h0 (zeros if none),
+    then one row per completion]``, the completions' rows filled in by :func:`_fwd_h`."""
+    if len(recurrence.phases) == 1:
+        return h0
+    n_seq = recurrence.together.cu_seqlens.numel() - 1
+    states = k.new_zeros(n_seq, u.shape[2], k.shape[-1], u.shape[-1], dtype=torch.float32)
+    if h0 is not None:
+        states[:1] = h0
+    return states
 
 
 def _fwd_h(
@@ -196,15 +224,16 @@ def _fwd_h(
     w: torch.Tensor,
     u: torch.Tensor,
     g: torch.Tensor,
-    h0: torch.Tensor | None,
+    starts: torch.Tensor | None,
     output_final_state: bool,
     phases: tuple[_Phase, ...],
     n_chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fla's forward state recurrence (``chunk_gated_delta_rule_fwd_h``'s kernel), one launch per phase.
 
-    Returns per-chunk states, ``v_new``, the final states and each phase's initial states (the
-    completions start from the prompt's final state, fanned out).
+    ``starts``: every sequence's initial state (:func:`_initial_states`). With two phases (prompt, then
+    completions), the prompt's final state is written into the completions' rows of ``starts`` before
+    they run. Returns per-chunk states, ``v_new`` and the final states of the last phase's sequences.
     """
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
 
@@ -212,18 +241,17 @@ def _fwd_h(
     v_heads, v_dim = u.shape[2], u.shape[3]
     h = k.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
     v_new = torch.empty_like(u)
-    starts = [h0]
-    for n, phase in enumerate(phases):
-        n_seq, last = phase.cu_seqlens.numel() - 1, n == len(phases) - 1
-        keep = output_final_state or not last
-        final = k.new_empty(n_seq, v_heads, k_dim, v_dim, dtype=torch.float32) if keep else None
-        _launch(
-            kernel, phase, v_heads, v_dim, k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=starts[n], ht=final,
-            T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim,
-        )  # fmt: skip
-        if not last:
-            starts.append(final.expand(phases[n + 1].cu_seqlens.numel() - 1, *final.shape[1:]).contiguous())
-    return h, v_new, final, starts
+    args = {"k": k, "v": u, "w": w, "v_new": v_new, "g": g, "gk": None, "h": h, "T": total}
+    args.update(H=heads, HV=v_heads, K=k_dim, V=v_dim)
+    if len(phases) == 2:
+        prompt_final = k.new_empty(1, v_heads, k_dim, v_dim, dtype=torch.float32)
+        _launch(kernel, phases[0], v_heads, v_dim, h0=starts[:1], ht=prompt_final, **args)
+        starts[1:] = prompt_final
+        starts = starts[1:]
+    n_seq = phases[-1].cu_seqlens.numel() - 1
+    final = k.new_empty(n_seq, v_heads, k_dim, v_dim, dtype=torch.float32) if output_final_state else None
+    _launch(kernel, phases[-1], v_heads, v_dim, h0=starts, ht=final, **args)
+    return h, v_new, final
 
 
 def _bwd_dhu(
@@ -231,7 +259,8 @@ def _bwd_dhu(
     k: torch.Tensor,
     w: torch.Tensor,
     g: torch.Tensor,
-    starts: list[torch.Tensor | None],
+    starts: torch.Tensor | None,
+    want_dh0: bool,
     dht: torch.Tensor | None,
     do: torch.Tensor,
     dv: torch.Tensor,
@@ -240,22 +269,22 @@ def _bwd_dhu(
     n_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """fla's backward state recurrence (``chunk_gated_delta_rule_bwd_dhu``'s kernel), phases last first:
-    the completions' initial-state gradients, summed, are the gradient of the prompt's final state."""
+    the completions' initial-state gradients, summed, are the gradient of the prompt's final state.
+    Returns the per-chunk state gradients, the initial-state gradient (when ``want_dh0``) and ``dv``."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
 
     _, total, heads, k_dim = q.shape
     v_heads, v_dim = do.shape[2], do.shape[3]
     dh = q.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
     dv2 = torch.empty_like(dv)
-    dh0 = None
-    for n in reversed(range(len(phases))):
-        dh0 = None if starts[n] is None else torch.empty_like(starts[n], dtype=torch.float32)
-        _launch(
-            kernel, phases[n], v_heads, v_dim, q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv,
-            dv2=dv2, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim,
-        )  # fmt: skip
-        if n:
-            dht = dh0.sum(0, keepdim=True)
+    args = {"q": q, "k": k, "w": w, "g": g, "gk": None, "do": do, "dh": dh, "dv": dv, "dv2": dv2, "scale": scale}
+    args.update(T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim)
+    if len(phases) == 2:
+        d_fanned = torch.empty_like(starts[1:])
+        _launch(kernel, phases[1], v_heads, v_dim, dht=dht, dh0=d_fanned, **args)
+        dht = d_fanned.sum(0, keepdim=True)
+    dh0 = torch.empty_like(starts[:1] if len(phases) == 2 else starts, dtype=torch.float32) if want_dh0 else None
+    _launch(kernel, phases[0], v_heads, v_dim, dht=dht, dh0=dh0, **args)
     return dh, dh0, dv2
 
 
@@ -301,11 +330,12 @@ class FlaHybrid(torch.autograd.Function):
         # As fla 0.6's chunk_gated_delta_rule_fwd composes these, with the recurrence in phases.
         g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **index)
         w, u, a = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **index)
-        ctx.phases = phases = _phases(cu_seqlens, shared_prompt)
-        h, v_new, final_state, _ = _fwd_h(k, w, u, g, initial_state, output_final_state, phases, len(chunks))
+        ctx.recurrence = recurrence = _recurrence(cu_seqlens, shared_prompt)
+        starts = _initial_states(initial_state, k, u, recurrence)
+        h, v_new, final_state = _fwd_h(k, w, u, g, starts, output_final_state, recurrence.phases, len(chunks))
         o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **index)
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, initial_state, cu_seqlens, chunks)
-        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, starts, cu_seqlens, chunks)
+        ctx.scale, ctx.use_qk_l2norm, ctx.want_dh0 = scale, use_qk_l2norm, initial_state is not None
         return o.to(q.dtype), final_state
 
     @staticmethod
@@ -315,17 +345,19 @@ class FlaHybrid(torch.autograd.Function):
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
         from fla.ops.utils import chunk_local_cumsum
 
-        q, q_rstd, k, k_rstd, v, g, beta, a, h0, cu, chunks = ctx.saved_tensors
+        q, q_rstd, k, k_rstd, v, g, beta, a, starts, cu, chunks = ctx.saved_tensors
         # Autograd may hand in expanded gradients (stride 0, e.g. from ``final_state.sum()``).
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         index = {"cu_seqlens": cu, "chunk_indices": chunks}
-        phases = ctx.phases
-        # As fla 0.6's chunk_gated_delta_rule_bwd composes these, with our chunk_bwd_dqkwg.
+        recurrence = ctx.recurrence
+        # As fla 0.6's chunk_gated_delta_rule_bwd composes these, with our chunk_bwd_dqkwg. Every initial
+        # state is known now, so recomputing the states takes one launch, a shared prompt's completions
+        # running beside the prompt instead of after it.
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=g, **index)
-        h, v_new, _, starts = _fwd_h(k, w, u, g, h0, False, phases, len(chunks))
+        h, v_new, _ = _fwd_h(k, w, u, g, starts, False, (recurrence.together,), len(chunks))
         dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=ctx.scale, chunk_size=CHUNK, **index)
-        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, dht, do, dv, ctx.scale, phases, len(chunks))
+        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, ctx.want_dh0, dht, do, dv, ctx.scale, recurrence.phases, len(chunks))
         dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
         dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, **index)
         dk = dk + dk2

@@ -240,17 +240,20 @@ def test_hybrid_dqkwg_matches_autograd_in_interpreter() -> None:
 def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -> None:
     """fla-hybrid's two recurrence phases (prompt, then its completions) are slices of the joined
     cu_seqlens and of the chunk offsets computed from it on the device, so both phases index the
-    same full-size tensors."""
-    from model_support.kernels._fla_hybrid import _phases
+    same full-size tensors; the backward's recomputation runs all sequences together."""
+    from model_support.kernels._fla_hybrid import PROMPT_PHASE_CONFIG, _recurrence
 
     cu = torch.tensor([0, 130, 131, 195, 265])  # prompt of 130 tokens (3 chunks), completions 1, 64, 70
-    prompt, completions = _phases(cu, shared_prompt=True)
+    shared = _recurrence(cu, shared_prompt=True)
+    prompt, completions = shared.phases
     assert prompt.cu_seqlens.tolist() == [0, 130]
     assert prompt.chunk_offsets[:1].tolist() == [0]
     assert completions.cu_seqlens.tolist() == [130, 131, 195, 265]
     assert completions.chunk_offsets[:3].tolist() == [3, 4, 5]
-    (whole,) = _phases(cu, shared_prompt=False)
-    assert whole.cu_seqlens is cu and whole.chunk_offsets.tolist() == [0, 3, 4, 5, 7]
+    assert shared.together.cu_seqlens is cu and shared.together.chunk_offsets.tolist() == [0, 3, 4, 5, 7]
+    assert prompt.config == shared.together.config == PROMPT_PHASE_CONFIG and completions.config is None
+    plain = _recurrence(cu, shared_prompt=False)
+    assert plain.phases == (plain.together,) and plain.together.config is None
 
 
 def test_fla_index_is_read_once_per_cu_seqlens_tensor() -> None:
