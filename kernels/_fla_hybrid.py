@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 CHUNK = 64
 NUM_WARPS = 8
@@ -165,18 +166,32 @@ class _Phase(NamedTuple):
     """(BV, num_warps, num_stages) for fla's recurrence kernels; None: fla's autotuner picks."""
 
 
+_UNFIT: set[tuple[str, int, torch.dtype, tuple[int, int, int]]] = set()
+"""(kernel, K, input dtype, setting) whose launch asked for more shared memory than the GPU has."""
+
+
 def _launch(kernel: Any, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -> None:
     """Launch one of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence,
-    value head and value block), through fla's autotuner or with the phase's own settings."""
+    value head and value block), with the phase's own settings or through fla's autotuner.
+
+    A setting's shared memory grows with the key head size and the input's element size (float32
+    inputs need twice bfloat16's); where it does not fit, Triton refuses the launch before it runs,
+    and that kernel falls back to the autotuner, which skips what does not fit.
+    """
     n_seq = phase.cu_seqlens.numel() - 1
     args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
-    if phase.config is None:
-        kernel[lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](**args)
-        return
-    block_v, warps, stages = phase.config
-    flags = {name: rule(args) for name, rule in kernel.values.items()}  # fla's triton.heuristics
-    grid = (triton.cdiv(v_dim, block_v) * n_seq * v_heads,)
-    kernel.fn.fn[grid](**args, **flags, BV=block_v, num_warps=warps, num_stages=stages)
+    jit = kernel.fn.fn
+    unfit_key = (jit.__name__, args["K"], args["k"].dtype, phase.config)
+    if phase.config is not None and unfit_key not in _UNFIT:
+        block_v, warps, stages = phase.config
+        flags = {name: rule(args) for name, rule in kernel.values.items()}  # fla's triton.heuristics
+        grid = (triton.cdiv(v_dim, block_v) * n_seq * v_heads,)
+        try:
+            jit[grid](**args, **flags, BV=block_v, num_warps=warps, num_stages=stages)
+            return
+        except OutOfResources:
+            _UNFIT.add(unfit_key)
+    kernel[lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](**args)
 
 
 class _Recurrence(NamedTuple):

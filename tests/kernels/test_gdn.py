@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,40 @@ def test_fla_index_is_read_once_per_cu_seqlens_tensor() -> None:
     assert index(cu)[0] is first
     other, n_other = index(torch.tensor([0, 3], dtype=torch.int32))
     assert other is not first and n_other == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="fla-hybrid's module needs Triton")
+def test_hybrid_launch_setting_that_does_not_fit_falls_back_to_the_autotuner() -> None:
+    """A fixed launch setting that needs more shared memory than the GPU has (float32 inputs need twice
+    bfloat16's) is refused by Triton before it runs; that kernel then goes through fla's autotuner, and
+    the setting is not tried again for the same kernel, head size and dtype."""
+    from triton.runtime.errors import OutOfResources
+
+    from model_support.kernels._fla_hybrid import _UNFIT, _launch, _Phase
+
+    launches: list[str] = []
+
+    class Jit:
+        __name__ = "recurrence_kernel"
+
+        def __getitem__(self, grid: tuple[int]) -> Callable[..., None]:
+            def run(**kwargs: object) -> None:
+                launches.append(f"fixed BV={kwargs['BV']} grid={grid}")
+                raise OutOfResources(295944, 232448, "shared memory")
+
+            return run
+
+    class Tuned:
+        def __init__(self) -> None:
+            self.fn = type("Autotuner", (), {"fn": Jit()})()
+            self.values = {"USE_INITIAL_STATE": lambda args: args["h0"] is not None}
+
+        def __getitem__(self, grid: Callable[[dict[str, int]], tuple[int]]) -> Callable[..., None]:
+            return lambda **kwargs: launches.append(f"autotuned grid={grid({'BV': 64})}")
+
+    phase = _Phase(torch.tensor([0, 130]), torch.tensor([0, 3]), (16, 4, 3))
+    args = {"k": torch.zeros(1, 130, 2, 128), "K": 128, "h0": None}
+    for _ in range(2):
+        _launch(Tuned(), phase, v_heads=2, v_dim=128, **args)
+    assert launches == ["fixed BV=16 grid=(16,)", "autotuned grid=(4,)", "autotuned grid=(4,)"]
+    assert ("recurrence_kernel", 128, torch.float32, (16, 4, 3)) in _UNFIT
