@@ -17,9 +17,10 @@ stops there), then times, in one process:
 * shared prefix: G=8 completions of C=512 tokens over a P=2048 prompt (``--shared-sizes``), fwd+bwd, shared vs
   naive packing (G rows of P + C), against the ideal ratio (P + G*C) / (G*(P + C)).
 
-Each time is the median of ``triton.testing.do_bench``; ratios come from this one run. For
-the shared-prefix case it also sums the GPU kernel time of one step (profiler), which shows
-how much of the wall time is the host issuing work.
+Each time is the median of ``triton.testing.do_bench``; ratios come from this one run. The
+shared-prefix steps are timed as issued from Python, as CUDA-graph replays (fla-hybrid: its
+kernels only, without Python's launch overhead) and as the GPU kernel time summed by the
+profiler (``--kernel-table`` prints the kernels).
 """
 
 from __future__ import annotations

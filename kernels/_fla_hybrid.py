@@ -27,10 +27,11 @@ NUM_WARPS = 8
 NUM_STAGES = 2
 # Launch settings (value block, warps, pipeline stages) of fla's state recurrence kernels wherever a
 # shared prompt's chunks set the pace; None keeps fla's autotuned choice. fla tunes one setting per
-# head shape, for many sequences at once. A prompt is one sequence: 16 heads x 2 value blocks of 64
-# leave most of an H100 idle while its chunks run one after another, and value blocks of 16 (4x the
-# programs, each with a shorter step) with a 3-stage load pipeline ran the shared-prefix step fastest
-# of the settings tried (docs/benchmarks.md; ``python -m benchmarks.gdn_profile --prompt-phase``).
+# head shape, for many sequences at once. A prompt is one sequence: with 16 heads and fla's value
+# blocks of 32 or 64, 32 to 64 programs leave most of an H100 idle while its chunks run one after
+# another. Value blocks of 16 (more programs, each with a shorter step) and a 3-stage load pipeline
+# ran the shared-prefix step fastest of the settings tried (docs/benchmarks.md;
+# ``python -m benchmarks.gdn_profile --prompt-phase``).
 PROMPT_PHASE_CONFIG: tuple[int, int, int] | None = (16, 4, 3)
 
 
