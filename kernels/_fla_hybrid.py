@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from model_support.kernels._memo import last_call_by_identity
+
 CHUNK = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
@@ -204,12 +206,13 @@ class _Recurrence(NamedTuple):
     together: _Phase
 
 
+@last_call_by_identity
 def _recurrence(cu: torch.Tensor, shared_prompt: bool) -> _Recurrence:
     """All sequences in one phase, or (prompt, completions) for a shared prompt.
 
     With ``shared_prompt``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
     completions start from the prompt's final state, so in the forward their recurrence runs after the
-    prompt's. Everything here stays on the device (no host sync).
+    prompt's. Everything here stays on the device (no host sync), and is built once per ``cu`` tensor.
     """
     chunk_counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat([cu.new_zeros(1), chunk_counts.cumsum(0)])

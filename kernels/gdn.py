@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_support.kernels._memo import last_call_by_identity
 from model_support.kernels._recurrence import ChunkSchedule, state_recurrence, to_device
 from model_support.kernels.backend import BackendChoice, check_backend, select_backend
 from model_support.kernels.reference import l2norm
@@ -186,28 +187,16 @@ def run_chunked(
     return layout.from_chunks(o, total)[None], s_final
 
 
-class _LastIndex:
-    """``cu_seqlens`` as int64 and its valid token count, kept for the last ``cu_seqlens`` tensor seen.
+@last_call_by_identity
+def _fla_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` as int64 and its valid token count, once per ``cu_seqlens`` tensor.
 
-    Every GDN layer of a model gets the same ``cu_seqlens`` tensor in a step. Reading its last entry
-    synchronises host and device, so it happens once per tensor, not once per layer. fla's index
-    helpers cache by tensor identity too (``fla.utils.tensor_cache``), so the int64 copy handed to
-    them must be the same tensor each time; then a step captured in a CUDA graph syncs nowhere.
-    As in fla, changing a ``cu_seqlens`` tensor in place between calls is not supported.
+    Reading the last entry synchronises host and device; a model's GDN layers share one
+    ``cu_seqlens`` per step, so that happens once per step, not once per layer. fla's index helpers
+    cache by tensor identity too (``fla.utils.tensor_cache``), so the int64 copy handed to them must
+    be the same tensor each time; then a step captured in a CUDA graph syncs nowhere.
     """
-
-    def __init__(self) -> None:
-        self._key: torch.Tensor | None = None
-        self._value: tuple[torch.Tensor, int] = (torch.zeros(1, dtype=torch.long), 0)
-
-    def __call__(self, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if self._key is not cu_seqlens:
-            self._value = (cu_seqlens.long(), int(cu_seqlens[-1]))
-            self._key = cu_seqlens
-        return self._value
-
-
-_fla_index = _LastIndex()
+    return cu_seqlens.long(), int(cu_seqlens[-1])
 
 
 @functools.cache

@@ -259,16 +259,16 @@ def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -
 
 def test_fla_index_is_read_once_per_cu_seqlens_tensor() -> None:
     """fla's index helpers cache by tensor identity: the same cu_seqlens must give the same int64 tensor
-    (no new host sync per layer), and a different tensor must be read afresh."""
-    from model_support.kernels.gdn import _LastIndex
+    (no new host sync per layer), and a different tensor must be read afresh, even with equal values."""
+    from model_support.kernels.gdn import _fla_index
 
-    index = _LastIndex()
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
-    first, n_valid = index(cu)
+    first, n_valid = _fla_index(cu)
     assert first.dtype == torch.long and first.tolist() == [0, 5, 9] and n_valid == 9
-    assert index(cu)[0] is first
-    other, n_other = index(torch.tensor([0, 3], dtype=torch.int32))
+    assert _fla_index(cu)[0] is first
+    other, n_other = _fla_index(torch.tensor([0, 3], dtype=torch.int32))
     assert other is not first and n_other == 3
+    assert _fla_index(torch.tensor([0, 3], dtype=torch.int32))[0] is not other
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="fla-hybrid's module needs Triton")
