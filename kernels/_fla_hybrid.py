@@ -165,8 +165,8 @@ class _Phase(NamedTuple):
 
     cu_seqlens: torch.Tensor
     chunk_offsets: torch.Tensor
-    config: tuple[int, int, int] | None = None
-    """(BV, num_warps, num_stages) for fla's recurrence kernels; None: fla's autotuner picks."""
+    prompt_paced: bool = False
+    """A shared prompt's chunks set this launch's pace: it runs with :data:`PROMPT_PHASE_CONFIG`."""
 
 
 _UNFIT: set[tuple[str, int, torch.dtype, tuple[int, int, int]]] = set()
@@ -175,7 +175,8 @@ _UNFIT: set[tuple[str, int, torch.dtype, tuple[int, int, int]]] = set()
 
 def _launch(kernel: Any, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -> None:
     """Launch one of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence,
-    value head and value block), with the phase's own settings or through fla's autotuner.
+    value head and value block), with :data:`PROMPT_PHASE_CONFIG` where a prompt sets the pace, else
+    through fla's autotuner.
 
     A setting's shared memory grows with the key head size and the input's element size (float32
     inputs need twice bfloat16's); where it does not fit, Triton refuses the launch before it runs,
@@ -184,9 +185,10 @@ def _launch(kernel: Any, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -
     n_seq = phase.cu_seqlens.numel() - 1
     args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
     jit = kernel.fn.fn
-    unfit_key = (jit.__name__, args["K"], args["k"].dtype, phase.config)
-    if phase.config is not None and unfit_key not in _UNFIT:
-        block_v, warps, stages = phase.config
+    config = PROMPT_PHASE_CONFIG if phase.prompt_paced else None
+    unfit_key = (jit.__name__, args["K"], args["k"].dtype, config)
+    if config is not None and unfit_key not in _UNFIT:
+        block_v, warps, stages = config
         flags = {name: rule(args) for name, rule in kernel.values.items()}  # fla's triton.heuristics
         grid = (triton.cdiv(v_dim, block_v) * n_seq * v_heads,)
         try:
@@ -220,8 +222,8 @@ def _recurrence(cu: torch.Tensor, shared_prompt: bool) -> _Recurrence:
         whole = _Phase(cu, offsets)
         return _Recurrence((whole,), whole)
     # The prompt's chunks set the pace whenever it runs, alone or beside its completions.
-    prompt = _Phase(cu[:2], offsets[:2], PROMPT_PHASE_CONFIG)
-    return _Recurrence((prompt, _Phase(cu[1:], offsets[1:])), _Phase(cu, offsets, PROMPT_PHASE_CONFIG))
+    prompt = _Phase(cu[:2], offsets[:2], prompt_paced=True)
+    return _Recurrence((prompt, _Phase(cu[1:], offsets[1:])), _Phase(cu, offsets, prompt_paced=True))
 
 
 def _initial_states(

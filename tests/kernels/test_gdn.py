@@ -242,7 +242,7 @@ def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -
     """fla-hybrid's two recurrence phases (prompt, then its completions) are slices of the joined
     cu_seqlens and of the chunk offsets computed from it on the device, so both phases index the
     same full-size tensors; the backward's recomputation runs all sequences together."""
-    from model_support.kernels._fla_hybrid import PROMPT_PHASE_CONFIG, _recurrence
+    from model_support.kernels._fla_hybrid import _recurrence
 
     cu = torch.tensor([0, 130, 131, 195, 265])  # prompt of 130 tokens (3 chunks), completions 1, 64, 70
     shared = _recurrence(cu, shared_prompt=True)
@@ -252,9 +252,9 @@ def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -
     assert completions.cu_seqlens.tolist() == [130, 131, 195, 265]
     assert completions.chunk_offsets[:3].tolist() == [3, 4, 5]
     assert shared.together.cu_seqlens is cu and shared.together.chunk_offsets.tolist() == [0, 3, 4, 5, 7]
-    assert prompt.config == shared.together.config == PROMPT_PHASE_CONFIG and completions.config is None
+    assert prompt.prompt_paced and shared.together.prompt_paced and not completions.prompt_paced
     plain = _recurrence(cu, shared_prompt=False)
-    assert plain.phases == (plain.together,) and plain.together.config is None
+    assert plain.phases == (plain.together,) and not plain.together.prompt_paced
 
 
 def test_fla_index_is_read_once_per_cu_seqlens_tensor() -> None:
@@ -278,7 +278,7 @@ def test_hybrid_launch_setting_that_does_not_fit_falls_back_to_the_autotuner() -
     the setting is not tried again for the same kernel, head size and dtype."""
     from triton.runtime.errors import OutOfResources
 
-    from model_support.kernels._fla_hybrid import _UNFIT, _launch, _Phase
+    from model_support.kernels._fla_hybrid import _UNFIT, PROMPT_PHASE_CONFIG, _launch, _Phase
 
     launches: list[str] = []
 
@@ -300,7 +300,8 @@ def test_hybrid_launch_setting_that_does_not_fit_falls_back_to_the_autotuner() -
         def __getitem__(self, grid: Callable[[dict[str, int]], tuple[int]]) -> Callable[..., None]:
             return lambda **kwargs: launches.append(f"autotuned grid={grid({'BV': 64})}")
 
-    phase = _Phase(torch.tensor([0, 130]), torch.tensor([0, 3]), (16, 4, 3))
+    assert PROMPT_PHASE_CONFIG == (16, 4, 3)
+    phase = _Phase(torch.tensor([0, 130]), torch.tensor([0, 3]), prompt_paced=True)
     args = {"k": torch.zeros(1, 130, 2, 128), "K": 128, "h0": None}
     for _ in range(2):
         _launch(Tuned(), phase, v_heads=2, v_dim=128, **args)
