@@ -274,6 +274,11 @@ def packed_benchmark(times: dict[str, float], notes: dict[str, str], backends: l
 SHARED_G = 8
 
 
+def ideal_ratio(prompt: int, comp: int) -> float:
+    """Shared / naive token count, (P + G*C) / (G*(P + C)): the best time ratio sharing can give."""
+    return (prompt + SHARED_G * comp) / (SHARED_G * (prompt + comp))
+
+
 def shared_prefix_steps(backend: str, prompt: int = 2048, comp: int = 512) -> tuple[Step, Step]:
     """One fwd+bwd step of G completions over one prompt: (shared prefix, naive packing of G rows).
 
@@ -400,7 +405,7 @@ def main() -> None:
     for backend in backends:
         if backend in ("fla-hybrid", "chunked-triton"):
             shared.update(shared_prefix_benchmark(times, backend, prompt, comp, args.kernel_table))
-    ideal = (prompt + SHARED_G * comp) / (SHARED_G * (prompt + comp))
+    ideal = ideal_ratio(prompt, comp)
 
     ratios = {"ideal shared / naive": ideal}
     for backend in backends:

@@ -26,11 +26,11 @@ from benchmarks.gdn_benchmark import (
     HEADS,
     N_SEQ,
     SEQ_LEN,
-    SHARED_G,
     bench,
     cu_from_lengths,
     fwd_bwd,
     graphed,
+    ideal_ratio,
     kernel_ms,
     make_inputs,
     rel,
@@ -93,8 +93,9 @@ PROMPT_PHASE_CONFIGS = [None, (16, 4, 3), (16, 4, 4), (16, 2, 3), (16, 2, 4), (3
 def prompt_phase_sweep() -> None:
     from model_support.kernels import _fla_hybrid
 
-    ideal = (2048 + SHARED_G * 512) / (SHARED_G * (2048 + 512))
-    shared, naive = shared_prefix_steps("fla-hybrid")
+    prompt, comp = 2048, 512
+    ideal = ideal_ratio(prompt, comp)
+    shared, naive = shared_prefix_steps("fla-hybrid", prompt, comp)
     naive_graph, naive_gpu = bench(graphed(naive)), kernel_ms(naive)
     print(f"naive packing: CUDA graph {naive_graph:.3f} ms, GPU kernels {naive_gpu:.3f} ms; ideal ratio {ideal:.3f}")
     reference, default = None, _fla_hybrid.PROMPT_PHASE_CONFIG

@@ -199,9 +199,10 @@ def _fla_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens.long(), int(cu_seqlens[-1])
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)
 def _batched_cu_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """``cu_seqlens`` of ``batch`` rows of ``length`` tokens; one tensor per shape, so fla's caches hit."""
+    """``cu_seqlens`` of ``batch`` rows of ``length`` tokens; one tensor per recent shape, so fla's caches
+    hit (bounded: batched calls of ever new lengths must not keep a tensor each)."""
     return torch.arange(batch + 1, device=device, dtype=torch.long) * length
 
 
