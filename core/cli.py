@@ -6,8 +6,9 @@ import dataclasses
 import json
 import sys
 import tempfile
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -31,6 +32,12 @@ app = typer.Typer(
 console = Console()
 err = Console(stderr=True)
 app.add_typer(runtime_app, name="runtime")
+
+
+class ModelDtype(StrEnum):
+    bf16 = "bf16"
+    fp32 = "fp32"
+
 
 PreferOption = Annotated[
     list[str] | None,
@@ -180,6 +187,10 @@ def check(
     workdir: Annotated[Path | None, typer.Option(help="Keep artifacts (tiny model, exports) here.")] = None,
     prefer: PreferOption = None,
     seed: int = 0,
+    dtype: Annotated[
+        ModelDtype | None,
+        typer.Option(help="dtype of the Megatron model under test (default: bf16 on a GPU, fp32 on a CPU)."),
+    ] = None,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
     from model_support.validation.context import CheckContext
@@ -209,12 +220,54 @@ def check(
             workdir=work,
             tiny=tiny,
             seed=seed,
+            dtype=None if dtype is None else dtype.value,
         )
         err.print(f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}")
         report = run_checks(ctx, stages_to_run, on_result=lambda r: err.print(f"  {r.stage}: {r.status}"))
     render_terminal(report, console)
     write_reports(report, json_out, markdown_out, junit_out)
     raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def replica(
+    target: Annotated[str, typer.Argument(help="Model dir, config.json, cached hub id, handler or architecture.")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the replica to (must not exist or be empty).")],
+    layers: Annotated[
+        int | None, typer.Option(help="Keep the first N layers (default: all); they must hold every layer kind.")
+    ] = None,
+    experts: Annotated[int | None, typer.Option(help="Experts per MoE layer (MoE configs only; default: all).")] = None,
+    dtype: Annotated[Literal["bf16", "fp32"], typer.Option(help="Dtype the model is built and saved in.")] = "bf16",
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"], typer.Option(help="Where to build it; auto: CUDA when available.")
+    ] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT when it is not empty.")] = False,
+) -> None:
+    """Build a random model at a real config's width, cutting only its depth and expert count.
+
+    Widths (hidden, heads, head dims, intermediate, expert and GDN sizes, vocab) stay real; the tokenizer is tiny's.
+    --layers keeps the first N layers and must keep every layer kind; a multimodal vision tower is shrunk.
+    The model is built in --dtype on --device, saved in 5GB shards, and moved into OUT only once complete.
+    """
+    import torch
+
+    from model_support.core.replica import build_replica
+
+    registry = _registry()
+    source = source_for(target, registry, tiny=True)
+    resolve_handler(source, registry)
+    info = build_replica(
+        source.raw_config,
+        out,
+        layers=layers,
+        experts=experts,
+        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+        device=device,
+        seed=seed,
+        overwrite=overwrite,
+    )
+    console.print(info.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
 app.command("new-handler")(new_handler)

@@ -3,7 +3,9 @@
 ``shrink_config`` keeps what makes an architecture itself (the class, the layer_types pattern,
 MoE routing with a shared expert, GDN head grouping, q/k-norm, gated attention, MTP fields,
 multimodal sub-configs) and shrinks every dimension. ``build_tiny`` saves the random model with
-``save_pretrained`` next to an offline byte-level BPE tokenizer with a ChatML chat template.
+``save_pretrained`` next to an offline byte-level BPE tokenizer with a ChatML chat template. The config
+helpers (``copy_config``, ``set_depth``, ``set_experts``, ``set_token_ids``, ...) and the tokenizer are shared
+with ``core.replica``, which keeps the real width.
 """
 
 from __future__ import annotations
@@ -83,7 +85,87 @@ def _scale_sections(sections: list[int], total: int) -> list[int]:
     return out
 
 
-def _shrink_text(text: dict[str, Any], vocab_size: int, token_ids: dict[str, int]) -> None:
+def text_section(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config.json dict: its ``text_config`` when multimodal, else itself."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def copy_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a config.json dict to derive a replica from, less the fields ``save_pretrained`` rewrites."""
+    if not raw.get("architectures"):
+        raise ConfigError("config.json names no architectures; cannot build a replica of it")
+    cfg = copy.deepcopy(raw)
+    cfg.pop("torch_dtype", None)
+    cfg.pop("transformers_version", None)
+    return cfg
+
+
+def expert_key(text: dict[str, Any]) -> str | None:
+    """The field holding the expert count of a MoE text config; None for a dense one."""
+    if text.get("num_experts") or text.get("num_local_experts"):
+        return "num_experts" if "num_experts" in text else "num_local_experts"
+    return None
+
+
+def set_experts(text: dict[str, Any], experts: int, top_k: int) -> None:
+    """Give a MoE text config ``experts`` experts, ``top_k`` of them routed per token."""
+    key = expert_key(text)
+    if key is None:
+        raise ConfigError("the config has no experts (num_experts / num_local_experts) to set")
+    text[key] = experts
+    text["num_experts_per_tok"] = top_k
+
+
+def set_depth(text: dict[str, Any], n_layers: int) -> None:
+    """Keep the first ``n_layers`` layers: the layer count and the per-layer fields that index layers."""
+    text["num_hidden_layers"] = n_layers
+    if text.get("layer_types"):
+        text["layer_types"] = text["layer_types"][:n_layers]
+    if text.get("mlp_only_layers"):
+        text["mlp_only_layers"] = [i for i in text["mlp_only_layers"] if i < n_layers]
+    if "max_window_layers" in text:
+        text["max_window_layers"] = n_layers
+
+
+def set_token_ids(cfg: dict[str, Any], token_ids: dict[str, int]) -> None:
+    """Point the config's special token ids (bos/eos/pad, image/video/vision) at the offline tokenizer's tokens."""
+    text = text_section(cfg)
+    text["bos_token_id"] = token_ids["<|endoftext|>"]
+    text["eos_token_id"] = token_ids["<|im_end|>"]
+    text["pad_token_id"] = token_ids["<|endoftext|>"]
+    for key, token in (
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+    ):
+        if key in cfg:
+            cfg[key] = token_ids[token]
+
+
+def set_dtype(cfg: dict[str, Any], dtype: str) -> None:
+    """Record the saved dtype (e.g. ``"float32"``) in the config and, when multimodal, its text config."""
+    text = text_section(cfg)
+    text["dtype"] = dtype
+    if text is not cfg:
+        cfg["dtype"] = dtype
+
+
+def shrink_vision(cfg: dict[str, Any]) -> None:
+    """Shrink a multimodal config's vision tower to ``_VISION_DIMS``, projecting into the text model's width."""
+    vision = cfg.get("vision_config")
+    if not isinstance(vision, dict):
+        return
+    for key, value in _VISION_DIMS.items():
+        if key in vision:
+            vision[key] = value
+    if "out_hidden_size" in vision:
+        vision["out_hidden_size"] = text_section(cfg)["hidden_size"]
+    if vision.get("deepstack_visual_indexes"):
+        vision["deepstack_visual_indexes"] = [0]
+
+
+def _shrink_text(text: dict[str, Any], vocab_size: int) -> None:
     n_layers = _layer_count(text)
     gdn_ratio = max(1, text.get("linear_num_value_heads", 1) // max(1, text.get("linear_num_key_heads") or 1))
     for key, value in _TEXT_DIMS.items():
@@ -94,57 +176,24 @@ def _shrink_text(text: dict[str, Any], vocab_size: int, token_ids: dict[str, int
         text["num_key_value_heads"] = heads if kv == heads else 2
     if "linear_num_value_heads" in text:
         text["linear_num_value_heads"] = _TEXT_DIMS["linear_num_key_heads"] * gdn_ratio
-    if text.get("num_experts") or text.get("num_local_experts"):
-        key = "num_experts" if "num_experts" in text else "num_local_experts"
-        text[key] = TINY_EXPERTS
-        text["num_experts_per_tok"] = TINY_TOP_K
-    text["num_hidden_layers"] = n_layers
-    if text.get("layer_types"):
-        text["layer_types"] = text["layer_types"][:n_layers]
-    if text.get("mlp_only_layers"):
-        text["mlp_only_layers"] = [i for i in text["mlp_only_layers"] if i < n_layers]
-    if "max_window_layers" in text:
-        text["max_window_layers"] = n_layers
+    if expert_key(text):
+        set_experts(text, TINY_EXPERTS, TINY_TOP_K)
+    set_depth(text, n_layers)
     rope = text.get("rope_parameters") or text.get("rope_scaling")
     if isinstance(rope, dict) and rope.get("mrope_section"):
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
         head_dim = text.get("head_dim") or text["hidden_size"] // heads
         rope["mrope_section"] = _scale_sections(list(rope["mrope_section"]), int(head_dim * partial) // 2)
     text["vocab_size"] = vocab_size
-    text["bos_token_id"] = token_ids["<|endoftext|>"]
-    text["eos_token_id"] = token_ids["<|im_end|>"]
-    text["pad_token_id"] = token_ids["<|endoftext|>"]
-    text["dtype"] = "float32"
 
 
 def shrink_config(raw: dict[str, Any], vocab_size: int, token_ids: dict[str, int]) -> dict[str, Any]:
     """A tiny copy of a config.json dict (see module docstring)."""
-    if not raw.get("architectures"):
-        raise ConfigError("config.json names no architectures; cannot build a replica of it")
-    cfg = copy.deepcopy(raw)
-    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-    _shrink_text(text, vocab_size, token_ids)
-    vision = cfg.get("vision_config")
-    if isinstance(vision, dict):
-        for key, value in _VISION_DIMS.items():
-            if key in vision:
-                vision[key] = value
-        if "out_hidden_size" in vision:
-            vision["out_hidden_size"] = text["hidden_size"]
-        if vision.get("deepstack_visual_indexes"):
-            vision["deepstack_visual_indexes"] = [0]
-    for key, token in (
-        ("image_token_id", "<|image_pad|>"),
-        ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"),
-        ("vision_end_token_id", "<|vision_end|>"),
-    ):
-        if key in cfg:
-            cfg[key] = token_ids[token]
-    if text is not cfg:
-        cfg["dtype"] = "float32"
-    cfg.pop("torch_dtype", None)
-    cfg.pop("transformers_version", None)
+    cfg = copy_config(raw)
+    _shrink_text(text_section(cfg), vocab_size)
+    set_token_ids(cfg, token_ids)
+    shrink_vision(cfg)
+    set_dtype(cfg, "float32")
     return cfg
 
 
@@ -175,6 +224,23 @@ def build_tokenizer(out_dir: Path):
     return fast
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The ids of ``SPECIAL_TOKENS`` in a tokenizer made by ``build_tokenizer``."""
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def model_class(arch: str) -> type:
+    """The transformers model class named ``arch`` (one line to upgrade when this transformers lacks it)."""
+    import transformers
+
+    model_cls = getattr(transformers, arch, None)
+    if model_cls is None:
+        raise ConfigError(
+            f"transformers {transformers.__version__} has no class {arch}; upgrade transformers to build it"
+        )
+    return model_cls
+
+
 def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0) -> Path:
     """Build and save a tiny random replica of the architecture ``raw_config`` describes."""
     import torch
@@ -183,16 +249,10 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0) -> Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out_dir)
-    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = math.ceil(len(tokenizer) / 64) * 64
-    cfg = shrink_config(raw_config, vocab_size, token_ids)
+    cfg = shrink_config(raw_config, vocab_size, special_token_ids(tokenizer))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    arch = cfg["architectures"][0]
-    model_cls = getattr(transformers, arch, None)
-    if model_cls is None:
-        raise ConfigError(
-            f"transformers {transformers.__version__} has no class {arch}; upgrade transformers to build it"
-        )
+    model_cls = model_class(cfg["architectures"][0])
     config = transformers.AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()

@@ -205,6 +205,17 @@ def stages_page() -> str:
         "as passed to `Stage.judge`, or such dicts keyed by case, e.g. the serving dtype). Each stage's own",
         "documentation follows its summary.",
         "",
+        "Every stage is also reported with the peak memory of the checking process while it ran (`gpu peak`",
+        "and `host peak` in the terminal and Markdown tables; `peak_gpu_mib`, `peak_gpu_reserved_mib`,",
+        "`peak_host_mib` and `peak_host_lifetime` in the JSON and as JUnit `<properties>`). GPU: what torch's",
+        "CUDA allocator allocated (and reserved), reset before each stage, the largest over the process's",
+        "devices; memory outside that allocator (the CUDA context, NCCL buffers, other libraries) is not in it,",
+        "and without CUDA there is no GPU column. Host: the peak resident set (`VmHWM`) of the process,",
+        "counting what earlier stages left resident; on Linux the high-water mark is reset before each stage",
+        "(`/proc/self/clear_refs`), and where that is refused the number is the process's peak so far, marked",
+        "`*` (`peak_host_lifetime: true`). Neither counts child processes: a vLLM server a serving stage",
+        "starts is not in them.",
+        "",
     ]
     rows = [(s.order, f"[`{s.name}`](#{s.name})", ", ".join(s.requires) or "-", s.title) for s in stages]
     lines += _table(("order", "stage", "requires", "passing proves"), rows)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
+import torch
+from rich.console import Console
 
 from model_support.core.layout import ModelLayout
 from model_support.core.registry import load_registry
 from model_support.validation.context import CheckContext
-from model_support.validation.report import to_json, to_junit, to_markdown
-from model_support.validation.runner import UnknownStageError, plan, run_checks
+from model_support.validation.report import render_terminal, to_json, to_junit, to_markdown
+from model_support.validation.runner import Report, UnknownStageError, plan, run_checks
 from model_support.validation.stage import Requirement, Stage, StageResult, Status
 
 
@@ -76,6 +81,48 @@ class NotApplicable(Stage):
 
 ALL = [NotApplicable, Crashes, AfterFailure, TooFar, Measure, NeedsAbsentPackage]
 
+MIB = 1024 * 1024
+
+
+class Idle(Stage):
+    name = "idle"
+    title = "Allocates nothing."
+    order = 1
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        return self.passed("nothing allocated")
+
+
+class HostHeavy(Stage):
+    name = "host_heavy"
+    title = "Holds 256 MiB of host memory while it runs."
+    order = 2
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        block = np.ones(256 * MIB // 8)  # every page written, so all of it is resident
+        return self.passed(f"held {block.nbytes // MIB} MiB")
+
+
+class IdleAgain(Idle):
+    name = "idle_again"
+    order = 3
+
+
+class GpuHeavy(Stage):
+    name = "gpu_heavy"
+    title = "Holds 256 MiB on the GPU while it runs."
+    order = 2
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        block = torch.ones(256 * MIB // 4, device="cuda")
+        return self.passed(f"held {block.nbytes // MIB} MiB")
+
+
+def terminal_text(report: Report) -> str:
+    console = Console(file=io.StringIO(), width=200, record=True)
+    render_terminal(report, console)
+    return console.export_text()
+
 
 @pytest.fixture
 def ctx(tmp_path: Path) -> CheckContext:
@@ -112,6 +159,7 @@ def test_results_pass_fail_and_skip_with_reasons(ctx):
     assert by["not_applicable"].summary == "the model has no GDN layers"
     assert report.counts() == {"pass": 1, "fail": 2, "skip": 3}
     assert report.exit_code == 1
+    assert all(r.peak_host_mib > 0 for r in report.results)  # skipped and failed stages are measured too
     assert run_checks(ctx, plan(ALL, ["measure"])).exit_code == 0
 
 
@@ -135,3 +183,67 @@ def test_reports_carry_every_result(ctx):
     assert cases["too_far"].find("failure").get("message") == "max_abs_err=0.25 > 1e-05"
     assert cases["after_failure"].find("skipped").get("message") == "requires stage 'too_far', which failed"
     assert cases["measure"].find("failure") is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-stage host peaks need /proc/self/clear_refs")
+def test_each_stage_reports_its_own_host_peak(ctx):
+    idle, heavy, again = run_checks(ctx, plan([Idle, HostHeavy, IdleAgain])).results
+    assert [r.peak_host_lifetime for r in (idle, heavy, again)] == [False, False, False]
+    assert heavy.peak_host_mib >= idle.peak_host_mib + 200
+    # The high-water mark is reset per stage: the stage after the heavy one does not inherit its peak.
+    assert again.peak_host_mib < heavy.peak_host_mib - 200
+
+
+def test_reports_carry_peak_memory(ctx):
+    report = run_checks(ctx, plan([Idle, HostHeavy, IdleAgain]))
+    heavy = report.results[1]
+
+    result = json.loads(to_json(report))["results"][1]
+    assert result["stage"] == "host_heavy"
+    assert result["peak_host_mib"] == round(heavy.peak_host_mib, 1) > 256
+    assert result["peak_host_lifetime"] is heavy.peak_host_lifetime
+
+    row = next(line for line in to_markdown(report).splitlines() if line.startswith("| host_heavy |"))
+    assert f"| {heavy.peak_host_mib:.0f} MiB" in row
+    assert f"{heavy.peak_host_mib:.0f} MiB" in terminal_text(report)
+
+    suite = ET.fromstring(to_junit(report)).find("testsuite")
+    case = next(c for c in suite.findall("testcase") if c.get("name") == "host_heavy")
+    properties = {p.get("name"): p.get("value") for p in case.find("properties").findall("property")}
+    assert float(properties["peak_host_mib"]) == round(heavy.peak_host_mib, 1)
+    assert properties["peak_host_lifetime"] == json.dumps(heavy.peak_host_lifetime)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_without_cuda_there_is_no_gpu_column(ctx):
+    report = run_checks(ctx, plan([Idle, HostHeavy]))
+    assert [r.peak_gpu_mib for r in report.results] == [None, None]
+    assert [r.peak_gpu_reserved_mib for r in report.results] == [None, None]
+    assert json.loads(to_json(report))["results"][0]["peak_gpu_mib"] is None
+    text = terminal_text(report)
+    assert "host peak" in text and "gpu peak" not in text
+    assert "| host peak |" in to_markdown(report) and "gpu peak" not in to_markdown(report)
+    assert "peak_gpu_mib" not in to_junit(report)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_each_stage_reports_its_own_gpu_peak(ctx):
+    report = run_checks(ctx, plan([Idle, GpuHeavy, IdleAgain]))
+    _, heavy, again = report.results
+    assert heavy.peak_gpu_mib >= 256 and heavy.peak_gpu_reserved_mib >= 256
+    assert again.peak_gpu_mib < heavy.peak_gpu_mib - 200  # reset after gpu_heavy, whose tensor is freed
+    assert f"{heavy.peak_gpu_mib:.0f} MiB" in terminal_text(report)
+    assert "gpu peak" in to_markdown(report)
+    assert "peak_gpu_mib" in to_junit(report)
+
+
+def test_a_process_lifetime_host_peak_is_marked(ctx):
+    report = run_checks(ctx, plan([Idle, HostHeavy]))
+    report.results[0].peak_host_lifetime = True  # what MemoryProbe records where the reset is refused
+    idle = report.results[0]
+    assert f"{idle.peak_host_mib:.0f} MiB*" in terminal_text(report)
+    assert "host peak of the whole process so far" in terminal_text(report)
+    markdown = to_markdown(report)
+    assert f"| {idle.peak_host_mib:.0f} MiB* |" in markdown
+    assert "\\* host peak of the whole process so far" in markdown
+    assert json.loads(to_json(report))["results"][0]["peak_host_lifetime"] is True

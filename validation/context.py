@@ -29,6 +29,8 @@ class CheckContext:
     workdir: Path
     tiny: bool = False
     seed: int = 0
+    # The Megatron model's dtype ("bf16" or "fp32"); None: the device's (bf16 on a GPU, fp32 on a CPU).
+    dtype: str | None = None
     artifacts: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -30,16 +30,50 @@ def metrics_line(result: StageResult) -> str:
     return ", ".join(parts)
 
 
+def _gpu_cell(result: StageResult) -> str:
+    """Peak GPU memory of a stage: allocated (reserved) by torch's CUDA allocator."""
+    if result.peak_gpu_mib is None:
+        return "-"
+    return f"{result.peak_gpu_mib:.0f} MiB ({result.peak_gpu_reserved_mib:.0f} reserved)"
+
+
+def _host_cell(result: StageResult) -> str:
+    """Peak host resident set of a stage; ``*`` marks the process's peak so far (``_LIFETIME_NOTE``)."""
+    if result.peak_host_mib is None:
+        return "-"
+    return f"{result.peak_host_mib:.0f} MiB" + ("*" if result.peak_host_lifetime else "")
+
+
+_LIFETIME_NOTE = "* host peak of the whole process so far: this system could not reset it per stage"
+
+
+def _shows_gpu(report: Report) -> bool:
+    return any(r.peak_gpu_mib is not None for r in report.results)
+
+
+def _has_lifetime_peak(report: Report) -> bool:
+    return any(r.peak_host_lifetime for r in report.results)
+
+
 def render_terminal(report: Report, console: Console) -> None:
+    show_gpu = _shows_gpu(report)
     table = Table(title=f"model-support check: {report.target} -> {report.handler} ({report.handler_origin})")
     table.add_column("stage")
     table.add_column("status")
     table.add_column("time", justify="right")
+    if show_gpu:
+        table.add_column("gpu peak", justify="right")
+    table.add_column("host peak", justify="right")
     table.add_column("result")
     for r in report.results:
         text = r.summary + (f"\n[dim]{metrics_line(r)}[/dim]" if r.metrics else "")
-        table.add_row(r.stage, f"[{_STYLE[r.status]}]{r.status}[/]", f"{r.duration_s:.1f}s", text)
+        memory = [_gpu_cell(r)] if show_gpu else []
+        table.add_row(
+            r.stage, f"[{_STYLE[r.status]}]{r.status}[/]", f"{r.duration_s:.1f}s", *memory, _host_cell(r), text
+        )
     console.print(table)
+    if _has_lifetime_peak(report):
+        console.print(f"[dim]{_LIFETIME_NOTE}[/dim]")
     counts = report.counts()
     console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped  ({report.layout})")
 
@@ -53,6 +87,7 @@ def _md_escape(text: str) -> str:
 
 
 def to_markdown(report: Report) -> str:
+    show_gpu = _shows_gpu(report)
     lines = [
         f"# model-support check: `{report.target}`",
         "",
@@ -62,14 +97,17 @@ def to_markdown(report: Report) -> str:
         f"- started: {report.started}",
         "- environment: " + ", ".join(f"{k} {v}" for k, v in report.environment.items()),
         "",
-        "| stage | status | time | result | metrics |",
-        "| --- | --- | ---: | --- | --- |",
+        f"| stage | status | time |{' gpu peak |' if show_gpu else ''} host peak | result | metrics |",
+        f"| --- | --- | ---: |{' ---: |' if show_gpu else ''} ---: | --- | --- |",
     ]
     for r in report.results:
+        memory = f"{_gpu_cell(r)} | " if show_gpu else ""
         lines.append(
-            f"| {r.stage} | {r.status.upper()} | {r.duration_s:.1f}s | {_md_escape(r.summary)} | "
-            f"{_md_escape(metrics_line(r))} |"
+            f"| {r.stage} | {r.status.upper()} | {r.duration_s:.1f}s | {memory}{_host_cell(r)} | "
+            f"{_md_escape(r.summary)} | {_md_escape(metrics_line(r))} |"
         )
+    if _has_lifetime_peak(report):
+        lines += ["", "\\" + _LIFETIME_NOTE]  # escaped: a leading "*" would start a list
     counts = report.counts()
     lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped", ""]
     return "\n".join(lines)
@@ -87,6 +125,11 @@ def to_junit(report: Report) -> str:
     )
     for r in report.results:
         case = ET.SubElement(suite, "testcase", classname=report.handler, name=r.stage, time=f"{r.duration_s:.3f}")
+        peaks = {k: v for k, v in r.to_dict().items() if k.startswith("peak_") and v is not None}
+        if peaks:
+            properties = ET.SubElement(case, "properties")
+            for name, value in peaks.items():
+                ET.SubElement(properties, "property", name=name, value=json.dumps(value))
         body = "\n".join([metrics_line(r), *r.details]).strip()
         if r.status is Status.FAIL:
             node = ET.SubElement(case, "failure", message=r.summary)

@@ -13,6 +13,7 @@ from typing import Any
 
 from model_support.core.errors import ModelSupportError
 from model_support.validation.context import CheckContext
+from model_support.validation.memory import MemoryProbe
 from model_support.validation.stage import Stage, StageResult, Status
 
 REPORTED_PACKAGES = ("model-support", "torch", "transformers", "megatron-core", "megatron-bridge", "peft")
@@ -120,7 +121,10 @@ def run_checks(
     stages: Sequence[type[Stage]],
     on_result: Callable[[StageResult], None] | None = None,
 ) -> Report:
-    """Run ``stages`` (already planned) against ``ctx`` and collect a report."""
+    """Run ``stages`` (already planned) against ``ctx`` and collect a report.
+
+    Every stage, also one that skips or fails, is timed and its peak memory measured (``MemoryProbe``).
+    """
     report = Report(
         target=ctx.target,
         handler=ctx.spec.name,
@@ -132,9 +136,11 @@ def run_checks(
     )
     done: dict[str, StageResult] = {}
     for stage_cls in stages:
-        start = time.perf_counter()
-        result = _run_one(stage_cls(), ctx, done)
-        result.duration_s = time.perf_counter() - start
+        with MemoryProbe() as memory:
+            start = time.perf_counter()
+            result = _run_one(stage_cls(), ctx, done)
+            result.duration_s = time.perf_counter() - start
+        memory.record(result)
         done[stage_cls.name] = result
         report.results.append(result)
         if on_result is not None:

@@ -20,7 +20,13 @@ class Status(StrEnum):
 
 @dataclass
 class StageResult:
-    """What a stage found. ``metrics`` are measured numbers, ``thresholds`` the limits they were held to."""
+    """What a stage found. ``metrics`` are measured numbers, ``thresholds`` the limits they were held to.
+
+    The runner adds this process's peak memory while the stage ran, in MiB (``None``: not measured; see
+    ``validation/memory.py``): ``peak_gpu_mib`` / ``peak_gpu_reserved_mib`` allocated / reserved by
+    torch's CUDA allocator, ``peak_host_mib`` the resident set, which is the process's peak so far
+    rather than the stage's where ``peak_host_lifetime`` is set. Child processes are not counted.
+    """
 
     stage: str
     status: Status
@@ -29,8 +35,17 @@ class StageResult:
     thresholds: dict[str, float] = field(default_factory=dict)
     details: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    peak_gpu_mib: float | None = None
+    peak_gpu_reserved_mib: float | None = None
+    peak_host_mib: float | None = None
+    peak_host_lifetime: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        peaks = {
+            "peak_gpu_mib": self.peak_gpu_mib,
+            "peak_gpu_reserved_mib": self.peak_gpu_reserved_mib,
+            "peak_host_mib": self.peak_host_mib,
+        }
         return {
             "stage": self.stage,
             "status": str(self.status),
@@ -39,6 +54,8 @@ class StageResult:
             "thresholds": self.thresholds,
             "details": self.details,
             "duration_s": round(self.duration_s, 3),
+            **{key: None if mib is None else round(mib, 1) for key, mib in peaks.items()},
+            "peak_host_lifetime": self.peak_host_lifetime,
         }
 
 

@@ -14,7 +14,7 @@ gate/up merge, per-expert mappings, GDN in_proj / conv1d / zero-centred norms). 
 from __future__ import annotations
 
 import copy
-import json
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.errors import ModelSupportError
 from model_support.core.layout import text_config
 from model_support.core.megatron.dist import device, init_parallel
@@ -38,7 +39,6 @@ _FUSIONS_OFF = (
     "apply_rope_fusion",
     "moe_permute_fusion",
 )
-_VL_PREFIX = "model.language_model."
 # Local-spec parameter name -> the transformer-engine spec name megatron-bridge mappings use.
 _TE_NAMES = (
     (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
@@ -49,55 +49,6 @@ _TE_NAMES = (
 
 class MegatronBuildError(ModelSupportError):
     """The Megatron model could not be built or filled from the checkpoint."""
-
-
-class TextCheckpoint:
-    """The language-model tensors of a safetensors checkpoint, under text-model names.
-
-    Acts as the ``hf_pretrained`` a megatron-bridge model bridge expects (``config``, ``state[name]``,
-    ``state.source.get_all_keys()``). For a multimodal checkpoint (``model.language_model.*``),
-    ``model.X`` names are served from ``model.language_model.X``; vision and MTP tensors are dropped.
-    """
-
-    def __init__(self, model_dir: Path, config: Any) -> None:
-        from safetensors import safe_open
-
-        self.config = config
-        index = model_dir / "model.safetensors.index.json"
-        files = (
-            sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-            if index.exists()
-            else sorted(model_dir.glob("*.safetensors"))
-        )
-        if not files:
-            raise MegatronBuildError(f"no safetensors weights in {model_dir}")
-        self._where: dict[str, tuple[Path, str]] = {}
-        raw: dict[str, Path] = {}
-        for path in files:
-            with safe_open(path, "pt") as f:
-                raw.update(dict.fromkeys(f.keys(), path))
-        multimodal = any(k.startswith(_VL_PREFIX) for k in raw)
-        for key, path in raw.items():
-            if multimodal and key.startswith(_VL_PREFIX):
-                self._where["model." + key[len(_VL_PREFIX) :]] = (path, key)
-            elif key.startswith(("model.", "lm_head.")) and not (multimodal and key.startswith("model.")):
-                self._where[key] = (path, key)
-        self.multimodal = multimodal
-        self.state = self
-        self.source = self
-
-    def get_all_keys(self) -> list[str]:
-        return list(self._where)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        path, key = self._where[name]
-        with safe_open(path, "pt") as f:
-            return f.get_tensor(key)
 
 
 def mapping_name(local_name: str, has_mapping: Any) -> str:
@@ -112,6 +63,64 @@ def mapping_name(local_name: str, has_mapping: Any) -> str:
     return local_name
 
 
+@dataclass(frozen=True)
+class Numerics:
+    """How the model under test is built: the trainer's way on a GPU, the portable way on a CPU.
+
+    GPU: bf16 parameters, megatron-core's own ``GatedDeltaNet`` with its recurrence on the kernel the
+    runtime policy selects, the MoE router in fp32. CPU: fp32 and :class:`LocalGatedDeltaNet` (megatron-core's
+    ``GatedDeltaNet`` needs fla and CUDA).
+    """
+
+    dtype: torch.dtype
+    device: torch.device
+    gdn_module: str  # "megatron-core GatedDeltaNet" or "LocalGatedDeltaNet"
+    gdn_kernel: str  # a name from model_support.kernels.backend.BACKENDS
+    gdn_reason: str  # why that module and kernel
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def describe(self, gdn: bool) -> str:
+        text = f"{self.dtype_name} on {self.device.type}, attention SDPAttention"
+        if gdn:
+            text += f", GDN {self.gdn_module} with kernel {self.gdn_kernel} ({self.gdn_reason})"
+        return text
+
+
+def choose_numerics(
+    gdn_backend: str = "auto", device_: torch.device | None = None, dtype: torch.dtype | None = None
+) -> Numerics:
+    """The build for ``device_`` (default: the current device); ``gdn_backend`` is the handler's runtime policy.
+
+    ``dtype`` overrides the device's training dtype (bf16 on a GPU, fp32 on a CPU), e.g. to check the bf16
+    comparison on a CPU or to look for a bug without bf16 rounding on a GPU.
+    """
+    from model_support.kernels.backend import check_backend, select_backend
+
+    where = device_ or device()
+    if gdn_backend == "auto":
+        choice = select_backend(where, need_backward=True)
+        kernel, reason = choice.name, choice.reason
+    else:
+        check_backend(gdn_backend, where, need_backward=True)
+        kernel, reason = gdn_backend, "the handler's runtime policy names it"
+    if where.type != "cuda":
+        return Numerics(dtype or torch.float32, where, "LocalGatedDeltaNet", kernel, reason)
+    from megatron.core.ssm.gated_delta_net import HAVE_FLA
+
+    if HAVE_FLA:
+        return Numerics(dtype or torch.bfloat16, where, "megatron-core GatedDeltaNet", kernel, reason)
+    return Numerics(
+        dtype or torch.bfloat16,
+        where,
+        "LocalGatedDeltaNet",
+        kernel,
+        f"{reason}; flash-linear-attention is not installed, which megatron-core's GatedDeltaNet needs",
+    )
+
+
 @dataclass
 class MegatronModel:
     """A built megatron-core model with what is needed to convert to and from HF."""
@@ -121,6 +130,7 @@ class MegatronModel:
     bridge: Any  # the family's MegatronModelBridge
     checkpoint: TextCheckpoint
     tensor_parallel: int
+    numerics: Numerics
     mapped: dict[str, str] = field(default_factory=dict)  # Megatron param -> HF tensor names it came from
 
 
@@ -129,13 +139,13 @@ def _text_architecture(config: Any) -> str:
     return arch.replace("ForConditionalGeneration", "ForCausalLM")
 
 
-def _configure(provider: Any, tensor_parallel: int, *, gdn: bool, mtp: bool) -> None:
+def _configure(provider: Any, tensor_parallel: int, numerics: Numerics, *, gdn: bool, mtp: bool) -> None:
     for name in _FUSIONS_OFF:
         setattr(provider, name, False)
-    provider.use_cpu_initialization = not torch.cuda.is_available()
+    provider.use_cpu_initialization = numerics.device.type != "cuda"
     provider.perform_initialization = False
-    provider.params_dtype = torch.float32
-    provider.bf16 = False
+    provider.params_dtype = numerics.dtype
+    provider.bf16 = numerics.dtype == torch.bfloat16
     provider.fp16 = False
     provider.tensor_model_parallel_size = tensor_parallel
     provider.sequence_parallel = False
@@ -146,21 +156,38 @@ def _configure(provider: Any, tensor_parallel: int, *, gdn: bool, mtp: bool) -> 
         provider.moe_token_dispatcher_type = "allgather"  # alltoall allocates a CUDA stream
         provider.moe_aux_loss_coeff = 0.0
         provider.moe_router_load_balancing_type = "none"
+        provider.moe_router_dtype = "fp32"  # as RL trainers run the router; a no-op for an fp32 model
+        provider.moe_enable_routing_replay = True  # lets a check replay the reference's routing (R3)
     from model_support.core.megatron.spec import gpt_layer_spec, hybrid_block_spec
 
-    provider.transformer_layer_spec = hybrid_block_spec if gdn else gpt_layer_spec
+    if gdn:
+        routed = numerics.gdn_module == "megatron-core GatedDeltaNet"
+        provider.transformer_layer_spec = functools.partial(
+            hybrid_block_spec, gdn_kernel=numerics.gdn_kernel if routed else None
+        )
+    else:
+        provider.transformer_layer_spec = gpt_layer_spec
 
 
-def build_megatron_model(model_dir: Path, config: Any, *, tensor_parallel: int = 1, mtp: bool = False) -> MegatronModel:
+def build_megatron_model(
+    model_dir: Path,
+    config: Any,
+    *,
+    tensor_parallel: int = 1,
+    mtp: bool = False,
+    numerics: Numerics | None = None,
+) -> MegatronModel:
     """Build the language model of ``model_dir`` in megatron-core and load its weights through the bridge.
 
     ``mtp=False`` (training with a handler whose runtime policy disables MTP) builds no multi-token
-    prediction layers whatever the config declares.
+    prediction layers whatever the config declares. ``numerics`` defaults to :func:`choose_numerics`.
     """
     import_bridge()
     init_parallel(tensor_parallel)
+    numerics = numerics or choose_numerics()
     from megatron.bridge import AutoBridge
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     tcfg = copy.deepcopy(text_config(config))
     tcfg.architectures = [_text_architecture(config)]
@@ -173,14 +200,16 @@ def build_megatron_model(model_dir: Path, config: Any, *, tensor_parallel: int =
     model_bridge.hf_pretrained = shim
     provider = model_bridge.provider_bridge(shim)
     gdn = provider.experimental_attention_variant == "gated_delta_net"
-    _configure(provider, tensor_parallel, gdn=gdn, mtp=mtp)
+    _configure(provider, tensor_parallel, numerics, gdn=gdn, mtp=mtp)
     provider.finalize()
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(0)
-    model = provider.provide().to(device())
-    if not torch.cuda.is_available():
+    # One RouterReplay per router of the model being built (the class keeps a process-wide list).
+    RouterReplay.clear_global_router_replay_instances()
+    model = provider.provide().to(numerics.device)
+    if numerics.device.type != "cuda":
         _keep_on_cpu(model)
-    built = MegatronModel(model, provider, model_bridge, checkpoint, tensor_parallel)
+    built = MegatronModel(model, provider, model_bridge, checkpoint, tensor_parallel, numerics)
     _load_weights(built)
     return built
 
@@ -238,6 +267,7 @@ def _load_weights(built: MegatronModel) -> None:
 
     # How megatron-bridge shards parameters of our local modules under tensor parallelism.
     AutoMapping.register_module_type("LocalGatedDeltaNet", "column")
+    AutoMapping.register_module_type("RoutedGatedDeltaNet", "column")
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
     registry = built.bridge.mapping_registry()
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
@@ -263,7 +293,7 @@ def _load_weights(built: MegatronModel) -> None:
         module, _ = get_module_and_param_from_name([built.model], name)
         if not hasattr(module, "config"):
             module.config = built.provider
-        if built.tensor_parallel > 1 and not torch.cuda.is_available():
+        if built.tensor_parallel > 1 and built.numerics.device.type != "cuda":
             _replicate_locally(mapping, module)
         value = mapping.hf_to_megatron(hf_weights, module)
         if tuple(value.shape) != tuple(param.shape):

@@ -36,9 +36,9 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 @contextmanager
 def gdn_packing(model: torch.nn.Module, cu_seqlens: torch.Tensor | None) -> Iterator[None]:
     """Let every Gated DeltaNet layer of ``model`` see the row's sequence boundaries during a forward."""
-    from model_support.core.megatron.gdn import LocalGatedDeltaNet
+    from model_support.core.megatron.gdn import GDN_MODULES
 
-    layers = [m for m in model.modules() if isinstance(m, LocalGatedDeltaNet)]
+    layers = [m for m in model.modules() if isinstance(m, GDN_MODULES)]
     for layer in layers:
         layer.cu_seqlens = cu_seqlens
     try:

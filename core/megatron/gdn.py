@@ -1,12 +1,17 @@
-"""Local-spec (transformer-engine and fla free) Gated DeltaNet hybrid layers for megatron-core.
+"""Gated DeltaNet token mixers for megatron-core: megatron-core's own on GPUs, a local one on CPU.
 
-megatron-core's ``GatedDeltaNet`` allocates on ``torch.cuda.current_device()`` and calls fla's triton
-kernels, so it cannot run on CPU. :class:`LocalGatedDeltaNet` is the same layer with the same parameter
-names (``in_proj``, ``conv1d``, ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``), so megatron-bridge's
-Qwen3.5 mappings (GDNLinearMappingSeparate, GDNConv1dMapping, RMSNorm2ZeroCenteredRMSNormMapping) fill
-it unchanged. The recurrence runs through ``model_support.kernels.gdn.chunk_gated_delta_rule`` with the
-row's ``cu_seqlens`` (set by :func:`model_support.core.megatron.forward.gdn_packing`), and the causal
-convolution restarts at every sequence boundary.
+:class:`RoutedGatedDeltaNet` is megatron-core's ``GatedDeltaNet`` (what a trainer runs: fla's causal
+convolution and l2norm, megatron-core's projections, gating and output norm) with its recurrence routed
+to ``model_support.kernels.gdn.chunk_gated_delta_rule`` and the backend the handler's runtime policy
+selects (e.g. ``fla-hybrid`` on Hopper, where fla 0.6 refuses its own backward). It allocates on
+``torch.cuda.current_device()`` and needs fla, so it runs on GPUs only.
+
+:class:`LocalGatedDeltaNet` is the same layer without fla or CUDA, for CPU machines, with the same
+parameter names (``in_proj``, ``conv1d``, ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``), so
+megatron-bridge's Qwen3.5 mappings (GDNLinearMappingSeparate, GDNConv1dMapping,
+RMSNorm2ZeroCenteredRMSNormMapping) fill both unchanged. Both take the row's ``cu_seqlens`` (set by
+:func:`model_support.core.megatron.forward.gdn_packing`): the recurrence and the causal convolution
+restart at every sequence boundary.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
@@ -31,6 +38,56 @@ def gated_delta_rule(
         q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=False, use_qk_l2norm=True
     )
     return out
+
+
+class RoutedGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's ``GatedDeltaNet`` with the recurrence on ``kernel`` (a name from
+    ``model_support.kernels.backend.BACKENDS``) and packed rows taken from ``cu_seqlens``."""
+
+    def __init__(self, *args: Any, kernel: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernel = kernel
+        self.gated_delta_rule = self._routed_rule
+        self.cu_seqlens: torch.Tensor | None = None
+
+    @property
+    def sections(self) -> list[int]:
+        """This rank's ``in_proj`` output sections ``[q, k, v, z, b, a]``."""
+        return list(self.in_proj_split_sections)
+
+    def _routed_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from model_support.kernels.gdn import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=cu_seqlens,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+            backend=self.kernel,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any, **kwargs: Any):
+        if self.cu_seqlens is not None and kwargs.get("packed_seq_params") is None:
+            cu = self.cu_seqlens
+            kwargs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -71,11 +128,12 @@ class LocalGatedDeltaNet(MegatronModule):
             skip_bias_add=False,
         )
         conv_channels = (2 * qk + vv) // self.tp
+        dtype = config.params_dtype  # as megatron-core's GatedDeltaNet holds them
         self.conv1d = torch.nn.Conv1d(
-            conv_channels, conv_channels, config.linear_conv_kernel_dim, groups=conv_channels, bias=False
+            conv_channels, conv_channels, config.linear_conv_kernel_dim, groups=conv_channels, bias=False, dtype=dtype
         )
-        self.A_log = torch.nn.Parameter(torch.zeros(self.v_heads // self.tp))
-        self.dt_bias = torch.nn.Parameter(torch.ones(self.v_heads // self.tp))
+        self.A_log = torch.nn.Parameter(torch.zeros(self.v_heads // self.tp, dtype=dtype))
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.v_heads // self.tp, dtype=dtype))
         for param in (self.conv1d.weight, self.A_log, self.dt_bias):
             param.tensor_model_parallel = True
             param.partition_dim = 0
@@ -107,3 +165,7 @@ class LocalGatedDeltaNet(MegatronModule):
         gated = normed * F.silu(z.reshape(-1, self.v_dim).float())
         gated = gated.to(hidden_states.dtype).reshape(batch, seq, -1).transpose(0, 1).contiguous()
         return self.out_proj(gated)
+
+
+# Every Gated DeltaNet module class the builder may place in a decoder layer.
+GDN_MODULES = (LocalGatedDeltaNet, RoutedGatedDeltaNet)

@@ -1,83 +1,265 @@
-"""The transformers side of the Megatron checks: reference logits, with or without a PEFT adapter on disk.
+"""The transformers side of the Megatron checks: reference logits computed one decoder layer at a time.
 
-Two ways to put an adapter on the HF model:
+:class:`StreamedReference` builds the transformers model of a checkpoint with every parameter on the
+``meta`` device (buffers such as RoPE frequencies are real). The embedding, final norm and LM head are
+loaded once; each decoder layer's tensors are read from the safetensors just before the layer runs,
+converted by transformers' own loading code (e.g. per-expert checkpoint tensors fused into 3-D expert
+parameters) onto the reference device, and dropped right after it. Peak memory is the non-layer
+weights plus one layer, so a model that fits on a GPU once can be checked against it on the same GPU.
 
-* ``peft``: ``PeftModel.from_pretrained`` (used when every adapter module exists as an ``nn.Linear`` in
-  the transformers model);
-* ``merged``: transformers >= 5 stores routed experts as fused 3-D parameters, which PEFT cannot address
-  by the per-expert names the adapter (and the checkpoint, and vLLM) use. The adapter is then merged into
-  a copy of the checkpoint tensor by tensor (``W += alpha / r * B @ A`` on each ``<module>.weight``), and
-  the merged checkpoint is loaded by transformers.
+An adapter is applied as a server merges it: ``W + alpha / r * B @ A`` on each checkpoint tensor the
+adapter names, computed when that tensor's layer is loaded. A name the checkpoint lacks is an error,
+so an adapter addressed to modules that do not exist never passes silently.
+
+Each MoE router's input, logits and top-k indices are recorded (``ReferenceOutput.routers``), so the
+model under test can be fed the same router inputs and replay the same routing.
 """
 
 from __future__ import annotations
 
-import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.codecs import PEFT_PREFIX, load_peft_adapter
+from model_support.core.errors import ModelSupportError
 
 
-def load_hf_model(model_dir: Path, config: Any) -> torch.nn.Module:
-    """The transformers model of ``model_dir`` in fp32, eval mode (multimodal checkpoints included)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    arch = (getattr(config, "architectures", None) or [""])[0]
-    cls = AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration") else AutoModelForCausalLM
-    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+class ReferenceError(ModelSupportError):
+    """The transformers reference could not be built or fed from the checkpoint."""
 
 
-@torch.no_grad()
-def hf_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=input_ids).logits.float()
+@dataclass(frozen=True)
+class LoraDelta:
+    """One adapter module as a merge: ``scale * B @ A`` added to a checkpoint tensor."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scale: float
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        return self.scale * (self.lora_b.to(device, torch.float32) @ self.lora_a.to(device, torch.float32))
 
 
-def merge_adapter_checkpoint(model_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
-    """Copy of ``model_dir`` with the adapter merged into the named checkpoint tensors; fails on a name it lacks."""
-    from safetensors.torch import load_file, save_file
-
+def adapter_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
+    """The PEFT adapter in ``adapter_dir`` as merges, keyed by the checkpoint tensor each one changes."""
     config, tensors = load_peft_adapter(adapter_dir)
     scale = float(config["lora_alpha"]) / int(config["r"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        if item.is_file() and item.suffix != ".safetensors":
-            shutil.copy2(item, out_dir / item.name)
-    deltas: dict[str, torch.Tensor] = {}
+    deltas = {}
     for key, lora_a in tensors.items():
         if key.endswith(".lora_A.weight"):
             module = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
-            lora_b = tensors[key.replace(".lora_A.", ".lora_B.")]
-            deltas[f"{module}.weight"] = scale * lora_b.float() @ lora_a.float()
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        state = load_file(str(shard))
-        for name in list(state):
-            if name in deltas:
-                state[name] = (state[name].float() + deltas.pop(name)).to(state[name].dtype)
-        save_file(state, str(out_dir / shard.name), metadata={"format": "pt"})
-    if deltas:
-        raise ValueError(f"adapter modules not in the checkpoint: {sorted(deltas)[:3]}")
-    return out_dir
+            deltas[f"{module}.weight"] = LoraDelta(lora_a, tensors[key.replace(".lora_A.", ".lora_B.")], scale)
+    return deltas
 
 
-def adapter_logits(
-    model_dir: Path, config: Any, adapter_dir: Path, input_ids: torch.Tensor, workdir: Path, *, method: str
-) -> torch.Tensor:
-    """HF logits with the adapter applied by ``method`` ("peft" or "merged")."""
-    if method == "merged":
-        merged = merge_adapter_checkpoint(model_dir, adapter_dir, workdir / "merged")
-        return hf_logits(load_hf_model(merged, config), input_ids)
-    from peft import PeftModel
+@dataclass
+class RouterCapture:
+    """One MoE router call of the reference: its input [T, H], logits [T, E] and top-k indices [T, k]."""
 
-    model = PeftModel.from_pretrained(load_hf_model(model_dir, config), adapter_dir).eval()
-    state = model.state_dict()
-    _, tensors = load_peft_adapter(adapter_dir)
-    for key, value in tensors.items():
-        loaded = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
-            ".lora_B.weight", ".lora_B.default.weight"
+    name: str
+    inputs: torch.Tensor
+    logits: torch.Tensor
+    indices: torch.Tensor
+
+
+@dataclass
+class ReferenceOutput:
+    logits: torch.Tensor  # [B, S, V] float32
+    routers: list[RouterCapture] = field(default_factory=list)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create every ``nn.Parameter`` on the meta device while buffers stay real.
+
+    Written by hand because ``torch.device("meta")`` would also put computed buffers (RoPE inverse
+    frequencies) on meta, and accelerate's equivalent is not a dependency of this package.
+    """
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _model_class(config: Any) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    return AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration") else AutoModelForCausalLM
+
+
+def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The text decoder's layer list (the one ModuleList named ``layers`` with one entry per layer)."""
+    found = [
+        m
+        for name, m in model.named_modules()
+        if name.endswith("layers")
+        and isinstance(m, torch.nn.ModuleList)
+        and len(m) == num_layers
+        and "visual" not in name
+        and "mtp" not in name
+    ]
+    if len(found) != 1:
+        raise ReferenceError(f"cannot find the {num_layers} decoder layers in {type(model).__name__}")
+    return found[0]
+
+
+class StreamedReference:
+    """A transformers model that holds at most one decoder layer's weights at a time (see module docstring)."""
+
+    def __init__(self, model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype = torch.float32):
+        from model_support.core.layout import text_config
+
+        self.checkpoint = TextCheckpoint(Path(model_dir))
+        self.device, self.dtype = device, dtype
+        with _parameters_on_meta():
+            self.model = _model_class(config).from_config(config, dtype=dtype).eval()
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+        num_layers = int(text_config(config).num_hidden_layers)
+        self.layers = _decoder_layers(self.model, num_layers)
+        self._by_layer: dict[int | None, list[str]] = {}
+        for name in self.checkpoint.get_all_keys():
+            self._by_layer.setdefault(self.checkpoint.layer_of(name), []).append(name)
+        self._raw_names = {self.checkpoint.raw_key(n): n for n in self.checkpoint.get_all_keys()}
+        self._deltas: dict[str, LoraDelta] = {}
+        self._load(self._by_layer.get(None, []), self.model)
+        self.model.tie_weights()
+        self._check_loaded(self.model, exclude=self.layers, what="the embedding, final norm and LM head")
+
+    def _load(self, names: list[str], scope: torch.nn.Module) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.utils import logging as hf_logging
+
+        state = {}
+        for key, tensor in self.checkpoint.read(names):
+            delta = self._deltas.get(key)
+            state[key] = tensor if delta is None else tensor.to(self.device, torch.float32) + delta.on(self.device)
+        load = LoadStateDictConfig(
+            dtype=self.dtype,
+            weight_mapping=get_model_conversion_mapping(self.model),
+            device_map={"": str(self.device)},
         )
-        if loaded not in state or not torch.equal(state[loaded], value):
-            raise ValueError(f"PEFT did not load adapter tensor {key}")
-    return hf_logits(model, input_ids)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # one bar per decoder layer would flood the terminal
+        try:
+            convert_and_load_state_dict_in_model(self.model, state, load, None)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+
+    @staticmethod
+    def _check_loaded(scope: torch.nn.Module, *, exclude: torch.nn.Module | None = None, what: str) -> None:
+        skip = set() if exclude is None else {id(p) for p in exclude.parameters()}
+        meta = [n for n, p in scope.named_parameters() if p.device.type == "meta" and id(p) not in skip]
+        meta = [n for n in meta if "visual" not in n]  # the vision tower of a multimodal model never runs here
+        if meta:
+            raise ReferenceError(f"the checkpoint does not fill {what}: {meta[:3]}")
+
+    def _enter_layer(self, index: int) -> None:
+        self._load(self._by_layer.get(index, []), self.layers[index])
+        self._check_loaded(self.layers[index], what=f"decoder layer {index}")
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        adapter: dict[str, LoraDelta] | None = None,
+        routers: bool = False,
+        replay: list[torch.Tensor] | None = None,
+    ) -> ReferenceOutput:
+        """Logits of ``input_ids`` ([B, S]) with the adapter merged (``adapter_deltas``).
+
+        ``routers``: record each MoE router's input, logits and top-k. ``replay``: one top-k index tensor per
+        router (e.g. another run's), taken instead of the router's own choice.
+        """
+        deltas = adapter or {}
+        unknown = sorted(k for k in deltas if k not in self._raw_names)
+        if unknown:
+            raise ReferenceError(f"adapter modules not in the checkpoint: {unknown[:3]}")
+        global_deltas = [k for k in deltas if self.checkpoint.layer_of(self._raw_names[k]) is None]
+        if global_deltas:
+            raise ReferenceError(f"adapter changes tensors outside the decoder layers: {global_deltas[:3]}")
+        self._deltas = deltas
+        captures: list[RouterCapture] = []
+        handles = []
+        for index, layer in enumerate(self.layers):
+            handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=index: self._enter_layer(i)))
+            handles.append(layer.register_forward_hook(lambda m, _a, _o: _drop_weights(m)))
+        moe_routers = [(n, m) for n, m in self.model.named_modules() if "Router" in type(m).__name__]
+        if replay is not None:
+            if len(replay) != len(moe_routers):
+                raise ReferenceError(f"{len(replay)} routings to replay for {len(moe_routers)} MoE routers")
+            for (name, module), indices in zip(moe_routers, replay, strict=True):
+                handles.append(module.register_forward_hook(_replay_hook(name, indices)))
+        if routers:
+            for name, module in moe_routers:
+                handles.append(module.register_forward_hook(_router_hook(name, captures)))
+        try:
+            out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._deltas = {}
+            for layer in self.layers:
+                _drop_weights(layer)
+        return ReferenceOutput(out.logits.float(), captures)
+
+
+def _drop_weights(module: torch.nn.Module) -> None:
+    module.to_empty(device="meta")
+
+
+def _router_hook(name: str, captures: list[RouterCapture]) -> Any:
+    def record(_module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        logits, indices = out[0], out[-1]
+        if not indices.dtype.is_floating_point:
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            captures.append(RouterCapture(name, hidden.detach(), logits.detach().float(), indices.detach()))
+
+    return record
+
+
+def _replay_hook(name: str, indices: torch.Tensor) -> Any:
+    """Make a softmax top-k router (transformers' ``(logits, scores, indices)`` output) take ``indices``.
+
+    The replayed scores are the router's own probabilities at those experts, renormalised when the router
+    renormalises its top-k (read from its output), so only the choice of experts changes.
+    """
+
+    def replay(_module: torch.nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+        logits, scores, chosen = out[0], out[1], out[-1]
+        probs = torch.softmax(logits.float(), dim=-1)
+        picked = probs.gather(1, chosen)
+        if torch.allclose(scores.float(), picked, rtol=1e-2, atol=1e-4):
+            normalise = False
+        elif torch.allclose(scores.float(), picked / picked.sum(-1, keepdim=True), rtol=1e-2, atol=1e-4):
+            normalise = True
+        else:
+            raise ReferenceError(f"cannot replay routing through {name}: its scores are not softmax top-k")
+        target = indices.to(chosen.device)
+        replayed = probs.gather(1, target)
+        if normalise:
+            replayed = replayed / replayed.sum(-1, keepdim=True)
+        return (logits, replayed.to(scores.dtype), *out[2:-1], target)
+
+    return replay

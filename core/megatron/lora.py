@@ -60,8 +60,10 @@ class LoraLinear(torch.nn.Module):
         weight = base.weight
         out_local, in_local = weight.shape
         self.sections = sections  # full-size row sections of the fused output (column-parallel only)
-        self.lora_A = torch.nn.Linear(in_local, rank, bias=False, device=weight.device, dtype=weight.dtype)
-        self.lora_B = torch.nn.Linear(rank, out_local, bias=False, device=weight.device, dtype=weight.dtype)
+        # The adapter is kept in float32 whatever the base dtype (PEFT's autocast_adapter_dtype does the same):
+        # bf16 adapter weights would round away most optimizer updates.
+        self.lora_A = torch.nn.Linear(in_local, rank, bias=False, device=weight.device, dtype=torch.float32)
+        self.lora_B = torch.nn.Linear(rank, out_local, bias=False, device=weight.device, dtype=torch.float32)
         torch.nn.init.zeros_(self.lora_B.weight)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
 
@@ -72,12 +74,12 @@ class LoraLinear(torch.nn.Module):
         )
 
         out, bias = self.base(x, *args, **kwargs)
-        hidden = self.lora_A(x)
+        hidden = self.lora_A(x.to(self.lora_A.weight.dtype))
         if self.column:
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.group)
         else:
             hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.group)
-        return out + self.scale * self.lora_B(hidden), bias
+        return out + (self.scale * self.lora_B(hidden)).to(out.dtype), bias
 
     # --- canonical <-> shard ---------------------------------------------------------------------------------
     def _row_shard(self, full: torch.Tensor) -> torch.Tensor:
@@ -150,7 +152,7 @@ def target_key(target: LoraTarget) -> str:
 
 def apply_lora(model: torch.nn.Module, spec: HandlerSpec, *, rank: int = 8, alpha: float = 16.0) -> LoraReport:
     """Wrap every module the handler declares a LoRA target for; freeze everything else."""
-    from model_support.core.megatron.gdn import LocalGatedDeltaNet
+    from model_support.core.megatron.gdn import GDN_MODULES
 
     for param in model.parameters():
         param.requires_grad_(False)
@@ -165,7 +167,7 @@ def apply_lora(model: torch.nn.Module, spec: HandlerSpec, *, rank: int = 8, alph
                 continue
             parent_name, leaf = name.rsplit(".", 1)
             parent = modules[parent_name]
-            is_gdn = isinstance(parent, LocalGatedDeltaNet)
+            is_gdn = isinstance(parent, GDN_MODULES)
             if target.scope is TargetScope.GDN and not is_gdn:
                 continue
             if target.scope is TargetScope.ATTENTION and is_gdn:

@@ -5,7 +5,12 @@ Artifact keys:
 * ``megatron_model`` (:class:`~model_support.core.megatron.builder.MegatronModel`): the bridge-built model,
   converted once per run (tensor parallel 1);
 * ``megatron_lora`` (:class:`~model_support.core.megatron.lora.LoraReport`): LoRA applied in place on it;
-* ``peft_adapter_dir`` (Path): the PEFT adapter exported by ``lora_coverage`` from the Megatron LoRA.
+* ``peft_adapter_dir`` (Path): the PEFT adapter exported by ``lora_coverage`` from the Megatron LoRA;
+* ``reference_lowp_error`` (dict or None): how far transformers' own run in the model's dtype lands from its
+  fp32 run (:func:`reference_lowp`, measured by ``hf_parity``; None for an fp32 model);
+* ``hf_reference:<dtype>`` (:class:`~model_support.core.megatron.hf_reference.StreamedReference`): the
+  transformers reference (fp32, and the model's dtype where that is lower, to measure its own rounding error)
+  on the Megatron model's device, one decoder layer in memory at a time.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from typing import Any
 
 import torch
 
-from model_support.core.megatron.builder import MegatronModel, build_megatron_model
+from model_support.core.megatron.builder import MegatronModel, build_megatron_model, choose_numerics
+from model_support.core.megatron.dist import device
+from model_support.core.megatron.hf_reference import StreamedReference
 from model_support.core.megatron.lora import LoraReport, apply_lora
 
 MODEL_KEY = "megatron_model"
 LORA_KEY = "megatron_lora"
 ADAPTER_KEY = "peft_adapter_dir"
+REFERENCE_KEY = "hf_reference"
+LOWP_KEY = "reference_lowp_error"
 LORA_RANK = 8
 LORA_ALPHA = 16.0
 
@@ -30,11 +39,21 @@ def megatron_model(ctx: Any) -> MegatronModel:
     if MODEL_KEY not in ctx.artifacts:
         start = time.perf_counter()
         mtp = bool(ctx.layout.mtp_layers) and not ctx.spec.runtime.disable_mtp_for_training
-        built = build_megatron_model(ctx.model_dir, ctx.config, mtp=mtp)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[ctx.dtype]
+        numerics = choose_numerics(ctx.spec.runtime.gdn_backend, dtype=dtype)
+        built = build_megatron_model(ctx.model_dir, ctx.config, mtp=mtp, numerics=numerics)
         built.model.eval()
         ctx.artifacts[MODEL_KEY] = built
         ctx.artifacts["megatron_build_s"] = time.perf_counter() - start
     return ctx.artifacts[MODEL_KEY]
+
+
+def hf_reference(ctx: Any, dtype: torch.dtype = torch.float32) -> StreamedReference:
+    """The run's transformers reference in ``dtype`` on the device the Megatron model uses (built on first use)."""
+    key = f"{REFERENCE_KEY}:{dtype}"
+    if key not in ctx.artifacts:
+        ctx.artifacts[key] = StreamedReference(ctx.model_dir, ctx.config, device(), dtype)
+    return ctx.artifacts[key]
 
 
 def megatron_lora(ctx: Any) -> LoraReport:
@@ -51,3 +70,25 @@ def random_tokens(ctx: Any, shape: tuple[int, ...], offset: int = 0) -> torch.Te
     vocab = int(text_config(ctx.config).vocab_size)
     gen = torch.Generator().manual_seed(ctx.seed + offset)
     return torch.randint(0, vocab, shape, generator=gen)
+
+
+def reference_lowp(
+    ctx: Any,
+    dtype: torch.dtype,
+    tokens: torch.Tensor,
+    fp32_logits: torch.Tensor,
+    *,
+    adapter: Any = None,
+    routing: list[torch.Tensor] | None = None,
+) -> dict[str, float] | None:
+    """How far transformers' own ``dtype`` run lands from its fp32 run on ``tokens`` (``None`` for fp32).
+
+    Same weights (and ``adapter``), same routing (``routing`` replayed): the rounding error a correct
+    ``dtype`` implementation of the model has, which the model under test is held to a multiple of.
+    """
+    from model_support.core.megatron.compare import closeness
+
+    if dtype == torch.float32:
+        return None
+    low = hf_reference(ctx, dtype).forward(tokens, adapter=adapter, replay=routing or None)
+    return closeness(low.logits, fp32_logits)

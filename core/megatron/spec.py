@@ -89,16 +89,36 @@ def gpt_layer_spec(config: Any) -> ModuleSpec:
     return _base_layer(config)
 
 
-def hybrid_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """Per-layer local specs: Gated DeltaNet or full attention by the bridge's linear-attention pattern."""
-    from model_support.core.megatron.gdn import LocalGatedDeltaNet
+def hybrid_block_spec(
+    config: Any, vp_stage: int | None = None, *, gdn_kernel: str | None = None
+) -> TransformerBlockSubmodules:
+    """Per-layer local specs: Gated DeltaNet or full attention by the bridge's linear-attention pattern.
 
+    ``gdn_kernel`` given: megatron-core's ``GatedDeltaNet`` with its recurrence on that kernel (GPU, fla
+    installed); ``None``: :class:`~model_support.core.megatron.gdn.LocalGatedDeltaNet`.
+    """
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from model_support.core.megatron.gdn import LocalGatedDeltaNet, RoutedGatedDeltaNet
+
+    if gdn_kernel is None:
+        gdn = ModuleSpec(module=LocalGatedDeltaNet)
+    else:
+        # The input norm stays the layer's own module (the local spec does not fuse it into in_proj).
+        gdn = ModuleSpec(
+            module=RoutedGatedDeltaNet,
+            params={"kernel": gdn_kernel},
+            submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear
+            ),
+        )
     base = _base_layer(config)
     layers = []
     for kind in get_linear_attention_pattern(config):
         spec = copy.deepcopy(base)
         if kind == 1:
-            spec.submodules.self_attention = ModuleSpec(module=LocalGatedDeltaNet)
+            spec.submodules.self_attention = gdn
         layers.append(spec)
     norm = ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else base.submodules.input_layernorm
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)

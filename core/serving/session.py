@@ -2,9 +2,9 @@
 
 The *policy* is base + one LoRA adapter: the adapter the Megatron trainer wrote in the ``lora_coverage`` stage
 when that ran (``ctx.artifacts["peft_adapter_dir"]``), else a seeded random PEFT adapter over the handler's HF
-target modules. The trainer-side reference is transformers with that adapter
-(:func:`model_support.core.megatron.hf_reference.adapter_logits`: PEFT, or a merged checkpoint for routed
-experts, which transformers stores fused). One server per run serves the merged export; it is started once and
+target modules. The trainer-side reference is the fp32 transformers model with that adapter merged
+(:class:`model_support.core.megatron.hf_reference.StreamedReference`, one decoder layer in memory at a time).
+One server per run serves the merged export; it is started once and
 reused by the later stages, and reaped when the run's process exits.
 """
 
@@ -20,7 +20,6 @@ from model_support.core.serving.backend import Server, ServingBackend, get_backe
 from model_support.core.serving.export import base_tensors, export_merged
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.serving.vllm_backend import ServeOptions
-from model_support.core.spec import TargetScope
 from model_support.validation.context import CheckContext
 
 MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (core.megatron.session.ADAPTER_KEY)
@@ -107,24 +106,19 @@ def policy_server(ctx: CheckContext) -> Server:
     return server
 
 
-def adapter_method(ctx: CheckContext) -> str:
-    """How transformers applies the adapter: PEFT, or merged where experts are fused 3-D parameters."""
-    return "merged" if ctx.spec.targets(TargetScope.EXPERT) else "peft"
-
-
 def trainer_logprobs(ctx: CheckContext, adapter: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Per-position log-softmax of the transformers policy (base + adapter) for each token sequence."""
-    from model_support.core.megatron.hf_reference import adapter_logits
+    """Per-position log-softmax of the fp32 transformers policy (base + adapter merged) for each sequence."""
+    from model_support.core.megatron.hf_reference import adapter_deltas
+    from model_support.core.megatron.session import hf_reference
 
+    reference, deltas = hf_reference(ctx), adapter_deltas(adapter)
     by_length: dict[int, list[int]] = {}
     for i, seq in enumerate(sequences):
         by_length.setdefault(len(seq), []).append(i)
     out: dict[int, torch.Tensor] = {}
-    for length, rows in by_length.items():  # one forward per length: no padding, one model load
-        batch = torch.tensor([sequences[i] for i in rows])
-        work = serving_workdir(ctx) / f"hf-reference-{length}"
-        logits = adapter_logits(ctx.model_dir, ctx.config, adapter, batch, work, method=adapter_method(ctx))
-        out.update(zip(rows, torch.log_softmax(logits.double(), dim=-1), strict=True))
+    for rows in by_length.values():  # one forward per length: no padding
+        logits = reference.forward(torch.tensor([sequences[i] for i in rows]), adapter=deltas).logits
+        out.update(zip(rows, torch.log_softmax(logits.double().cpu(), dim=-1), strict=True))
     return [out[i] for i in range(len(sequences))]
 
 

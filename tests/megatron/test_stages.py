@@ -36,7 +36,7 @@ def test_lora_coverage(megatron_report, handler: str) -> None:
     assert m["roundtrip_mismatches"] == 0
     assert m["lora_params"] == 2 * m["lora_modules"]
     # The adapter changes the output by far more than the tolerance it is matched within.
-    assert m["adapter_effect"] > 1e-2 > 1e-4 > m["adapter_logits_max_abs_err"]
+    assert m["adapter_effect_rel_l2"] > 0.5 and m["adapter_logits_max_abs_err"] < 1e-4
 
 
 def test_lora_module_counts(megatron_report) -> None:
@@ -51,7 +51,7 @@ def test_packed_position_ids(megatron_report, handler: str) -> None:
     assert result.status is Status.PASS, result.summary
     m = result.metrics
     assert m["logits_max_abs_err"] < 1e-4 and m["grad_max_rel_err"] < 1e-4
-    assert m["leak_control_diff"] > 1e-3
+    assert m["leak_control_rel_l2"] > 1e-3
     if handler.startswith("qwen3.5"):
         assert m["gdn_layers"] == 3 and m["attention_layers"] == 1
 
@@ -62,5 +62,5 @@ def test_trainability(megatron_report, handler: str) -> None:
     assert result.status is Status.PASS, result.summary
     m = result.metrics
     assert m["loss_ratio"] <= 0.5
-    assert m["base_max_abs_change"] == 0.0
+    assert m["base_params_changed"] == 0
     assert m["final_accuracy"] == 1.0

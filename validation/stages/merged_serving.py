@@ -93,7 +93,7 @@ class MergedServingStage(Stage):
             "served_model": server.served_name,
         }
         details = [
-            f"adapter: {origin}; transformers applies it by {session.adapter_method(ctx)}",
+            f"adapter: {origin}; merged into the fp32 transformers reference",
             f"merged export: {merged}",
             "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
             + ", ".join(f"{r:.2e}" for r in regrets),

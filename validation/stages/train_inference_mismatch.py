@@ -62,9 +62,7 @@ class TrainInferenceMismatchStage(Stage):
             "abs_delta_logprob_mean": delta.abs().mean().item(),
             "abs_delta_logprob_max": delta.abs().max().item(),
             "sampled_tokens": delta.numel(),
-            "trainer": "transformers + PEFT adapter"
-            if session.adapter_method(ctx) == "peft"
-            else "transformers, merged",
+            "trainer": "transformers fp32, adapter merged",
             "serving_dtype": server.options.dtype,
         }
         thresholds = MISMATCH_TOLERANCE.get(server.options.dtype, MISMATCH_TOLERANCE["bfloat16"])

@@ -24,21 +24,27 @@ QUESTIONS = (
 
 class TrainabilityStage(Stage):
     """Fresh LoRA (B = 0) on every declared target of the Megatron model; AdamW on the LoRA parameters only,
-    ``steps`` full-batch steps on eight chat-formatted yes/no questions packed in one row (loss: cross
-    entropy between the "yes" and "no" token logits after each prompt). The final loss must be at most
-    ``loss_ratio`` times the first, and no base weight may change."""
+    full-batch steps on eight chat-formatted yes/no questions packed in one row (loss: cross entropy between
+    the "yes" and "no" token logits after each prompt).
+
+    The schedule is scale-aware (:func:`peak_lr`): the peak learning rate shrinks with the square roots of
+    the width and the depth (LoRA's update to the residual stream grows with both), reached by a linear
+    warm-up; gradients are clipped to norm 1; training stops early once every answer is right and the loss
+    is at most ``loss_ratio`` of the first. Pass: that loss ratio within ``max_steps``, and no base weight
+    changed. A handler whose LoRA does not reach the loss keeps its first loss and fails."""
 
     name = "trainability"
-    title = "A few LoRA optimizer steps cut the loss of a small yes/no task; base weights stay unchanged."
+    title = "LoRA optimizer steps cut the loss of a small yes/no task; base weights stay unchanged."
     order = 60
     requires = ("hf_parity",)
     packages = MEGATRON_PACKAGES
-    thresholds: ClassVar[dict[str, float]] = {"loss_ratio": 0.5, "base_max_abs_change": 0.0}
-    steps, lr = 10, 1e-2
+    thresholds: ClassVar[dict[str, float]] = {"loss_ratio": 0.5, "base_params_changed": 0}
+    max_steps, warmup_steps, clip_norm = 40, 5, 1.0
 
     def run(self, ctx: CheckContext) -> StageResult:
         from transformers import AutoTokenizer
 
+        from model_support.core.layout import text_config
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.lora import lora_modules
         from model_support.core.megatron.session import megatron_lora, megatron_model
@@ -65,35 +71,66 @@ class TrainabilityStage(Stage):
         targets = torch.tensor([0 if a == "yes" else 1 for _, a in QUESTIONS])
 
         device = next(model.parameters()).device
-        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        ends, choices, targets = ends.to(device), choices.to(device), targets.to(device)
+        base = {n: fingerprint(p) for n, p in model.named_parameters() if not p.requires_grad}
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
-        losses = []
+        tcfg = text_config(ctx.config)
+        lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / self.warmup_steps))
+        losses: list[float] = []
+        accuracy = 0.0
         model.train()
         try:
-            for _ in range(self.steps + 1):
+            for step in range(self.max_steps + 1):
                 optimizer.zero_grad(set_to_none=True)
-                out = logits(model, row, positions)[0, ends.to(device)][:, choices.to(device)]
-                loss = torch.nn.functional.cross_entropy(out, targets.to(device))
+                out = logits(model, row, positions)[0, ends][:, choices]
+                loss = torch.nn.functional.cross_entropy(out, targets)
                 losses.append(loss.item())
-                accuracy = (out.argmax(-1) == targets.to(device)).float().mean().item()
-                if len(losses) <= self.steps:
-                    loss.backward()
-                    optimizer.step()
+                accuracy = (out.argmax(-1) == targets).float().mean().item()
+                learned = accuracy == 1.0 and losses[-1] <= self.thresholds["loss_ratio"] * losses[0]
+                if learned or step == self.max_steps:
+                    break
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, self.clip_norm)
+                optimizer.step()
+                warmup.step()
         finally:
             model.eval()
             optimizer.zero_grad(set_to_none=True)
-        change = max((p.detach() - base[n]).abs().max().item() for n, p in model.named_parameters() if n in base)
+        changed = sorted(
+            n for n, p in model.named_parameters() if n in base and not torch.equal(fingerprint(p), base[n])
+        )
         metrics = {
-            "steps": self.steps,
+            "steps": len(losses) - 1,
+            "peak_lr": lr,
             "initial_loss": losses[0],
             "final_loss": losses[-1],
             "loss_ratio": losses[-1] / losses[0],
             "final_accuracy": accuracy,
-            "base_max_abs_change": change,
+            "base_params_changed": len(changed),
             "trainable_params": sum(p.numel() for p in params),
         }
-        details = ["losses: " + ", ".join(f"{x:.3f}" for x in losses)]
-        return self.judge(
-            metrics, self.thresholds, f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {self.steps} steps", details
-        )
+        details = [
+            f"peak lr {lr:.3g} (hidden {tcfg.hidden_size}, {tcfg.num_hidden_layers} layers), {self.warmup_steps} "
+            f"warm-up steps, gradient norm clipped to {self.clip_norm}, at most {self.max_steps} steps",
+            "losses: " + ", ".join(f"{x:.3f}" for x in losses),
+        ]
+        if changed:
+            details.append(f"base weights changed: {', '.join(changed[:4])}")
+        summary = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) - 1} steps, accuracy {accuracy:.2f}"
+        return self.judge(metrics, self.thresholds, summary, details)
+
+
+def peak_lr(hidden_size: int, num_layers: int) -> float:
+    """1e-2 for a 64-wide, 2-layer model, scaled by 1/sqrt of width and depth beyond that."""
+    return 1e-2 * min(1.0, (64 / hidden_size) ** 0.5) * min(1.0, (2 / num_layers) ** 0.5)
+
+
+@torch.no_grad()
+def fingerprint(param: torch.Tensor) -> torch.Tensor:
+    """Two float64 sums of a tensor (plain, and position-weighted): a change to any element, or a permutation,
+    changes them, and they cost two numbers instead of a copy of the weight."""
+    flat = param.detach().flatten().double()
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(977).add_(1)
+    return torch.stack((flat.sum(), (flat * weights).sum()))

@@ -1,0 +1,91 @@
+"""The language-model tensors of a safetensors checkpoint, read lazily, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model_support.core.errors import ModelSupportError
+
+_VL_PREFIX = "model.language_model."
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointError(ModelSupportError):
+    """The checkpoint's weights cannot be read."""
+
+
+class TextCheckpoint:
+    """The language-model tensors of a safetensors checkpoint, under text-model names.
+
+    Acts as the ``hf_pretrained`` a megatron-bridge model bridge expects (``config``, ``state[name]``,
+    ``state.source.get_all_keys()``). For a multimodal checkpoint (``model.language_model.*``),
+    ``model.X`` names are served from ``model.language_model.X``; vision and MTP tensors are dropped.
+    :meth:`raw_key` gives the name a tensor has in the files (what transformers' loader expects).
+    """
+
+    def __init__(self, model_dir: Path, config: Any = None) -> None:
+        from safetensors import safe_open
+
+        self.config = config
+        index = model_dir / "model.safetensors.index.json"
+        files = (
+            sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+            if index.exists()
+            else sorted(model_dir.glob("*.safetensors"))
+        )
+        if not files:
+            raise CheckpointError(f"no safetensors weights in {model_dir}")
+        self._where: dict[str, tuple[Path, str]] = {}
+        raw: dict[str, Path] = {}
+        for path in files:
+            with safe_open(path, "pt") as f:
+                raw.update(dict.fromkeys(f.keys(), path))
+        multimodal = any(k.startswith(_VL_PREFIX) for k in raw)
+        for key, path in raw.items():
+            if multimodal and key.startswith(_VL_PREFIX):
+                self._where["model." + key[len(_VL_PREFIX) :]] = (path, key)
+            elif key.startswith(("model.", "lm_head.")) and not (multimodal and key.startswith("model.")):
+                self._where[key] = (path, key)
+        self.multimodal = multimodal
+        self.state = self
+        self.source = self
+
+    def get_all_keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path, key = self._where[name]
+        with safe_open(path, "pt") as f:
+            return f.get_tensor(key)
+
+    def raw_key(self, name: str) -> str:
+        return self._where[name][1]
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer a text-model tensor belongs to (``None``: embedding, final norm, LM head)."""
+        match = _LAYER.match(name)
+        return int(match.group(1)) if match else None
+
+    def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(raw key, tensor)`` for ``names``, opening each file once."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            path, key = self._where[name]
+            by_file.setdefault(path, []).append(key)
+        for path, keys in by_file.items():
+            with safe_open(path, "pt") as f:
+                for key in keys:
+                    yield key, f.get_tensor(key)

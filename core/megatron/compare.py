@@ -1,0 +1,194 @@
+"""Comparing the model under test with the fp32 reference: closeness metrics, routing, routing replay.
+
+Closeness of two tensors is reported four ways: the largest absolute difference (``max_abs_err``, and
+``rel_err`` relative to the largest reference magnitude), the relative L2 norm of the difference
+(``rel_l2``) and the mean absolute difference as a percentage of the mean reference magnitude
+(``mean_abs_pct``, the metric ART's workflow holds parallel layouts to). An fp32 model is held to the
+max-abs metrics; a bf16 model to the relative ones, at most ``LOWP_TOLERANCE_FACTOR`` times as far from the fp32
+reference as transformers' own bf16 run of the same weights, tokens and routing is (a bf16 result
+carries a relative error of about 2**-8 per rounding, compounded by depth: a fixed bound would be wrong
+at some depth, a max-abs bound at fp32 scale says nothing about it).
+
+MoE routing is compared router by router on the *same* input (the reference router's input, in the
+model's dtype): a token whose top-k expert set differs is a *flip*, unless the reference's margin
+between its k-th and (k+1)-th logits is within what rounding the input to the model's dtype can move
+(``eps / 2 * sum |w| |x|`` for each of the two logits), in which case it is a *near tie* and reported
+apart. Logits are then compared under megatron-core's routing replay of the reference's top-k sets, so
+a near tie is not counted as a logit error and a real flip is not hidden inside one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# Tolerances of a logit comparison against the fp32 reference, by the model's dtype. A bf16 model's distance
+# from fp32 grows with depth and differs by architecture (a Gated DeltaNet recurrence amplifies rounding of its
+# inputs), so it is held to a multiple of the distance transformers' own bf16 run keeps (same weights, tokens
+# and routing): LOWP_TOLERANCE_FACTOR times that, never less than LOWP_FLOOR.
+LOGIT_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"max_abs_err": 1e-4, "rel_err": 1e-4},
+}
+LOWP_TOLERANCE_FACTOR = 2.0
+LOWP_FLOOR = {"rel_l2": 1e-3, "mean_abs_pct": 0.1}
+
+# Tolerances between two runs of the *same* fp32 model that must compute the same function by different kernels
+# (e.g. a packed row against its sequences run alone): logits, and the worst LoRA parameter's gradient.
+SAME_MODEL_FP32_TOLERANCES = {"logits_max_abs_err": 1e-4, "logits_rel_err": 1e-4, "grad_max_rel_err": 1e-4}
+
+# The smallest relative L2 change a perturbation (e.g. an adapter) must make for a comparison at the
+# tolerances above to see it: ten times what the comparison lets pass.
+EFFECT_FLOOR: dict[torch.dtype, float] = {torch.float32: 1e-3, torch.bfloat16: 0.2}
+
+
+def closeness(ours: torch.Tensor, ref: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """``max_abs_err``, ``rel_err``, ``rel_l2`` and ``mean_abs_pct`` of ``ours`` against ``ref`` (float64)."""
+    ours, ref = ours.double().cpu(), ref.double().cpu()
+    diff = ours - ref
+    return {
+        f"{prefix}max_abs_err": diff.abs().max().item(),
+        f"{prefix}rel_err": (diff.abs().max() / ref.abs().max()).item(),
+        f"{prefix}rel_l2": (diff.norm() / ref.norm()).item(),
+        f"{prefix}mean_abs_pct": (100 * diff.abs().mean() / ref.abs().mean()).item(),
+    }
+
+
+def tolerances(
+    dtype: torch.dtype, prefix: str = "", reference_lowp: dict[str, float] | None = None
+) -> dict[str, float]:
+    """The logit tolerances for a model in ``dtype``, under metric names with ``prefix``.
+
+    Below fp32, ``reference_lowp`` is :func:`closeness` of transformers' run in ``dtype`` against its fp32 run.
+    """
+    if dtype in LOGIT_TOLERANCES:
+        return {f"{prefix}{k}": v for k, v in LOGIT_TOLERANCES[dtype].items()}
+    if reference_lowp is None:
+        raise ValueError(f"a {dtype} model is held to transformers' own {dtype} error: measure it first")
+    return {f"{prefix}{k}": LOWP_TOLERANCE_FACTOR * max(reference_lowp[k], floor) for k, floor in LOWP_FLOOR.items()}
+
+
+def same_model_tolerances(dtype: torch.dtype, reference_lowp: dict[str, float] | None = None) -> dict[str, float]:
+    """Tolerances between two runs of one model (see ``SAME_MODEL_FP32_TOLERANCES``).
+
+    Below fp32 each run is within its rounding distance of the exact function, so both the logits and all
+    LoRA gradients taken as one vector (a parameter that sees one token has a gradient that is all rounding
+    noise) are held to the same multiple of transformers' own low-precision distance from fp32.
+    """
+    if dtype == torch.float32:
+        return dict(SAME_MODEL_FP32_TOLERANCES)
+    limits = tolerances(dtype, prefix="logits_", reference_lowp=reference_lowp)
+    return limits | {"grad_mean_abs_pct": limits["logits_mean_abs_pct"]}
+
+
+def tolerance_note(dtype: torch.dtype) -> str:
+    """One line saying what a logit comparison of a ``dtype`` model is held to."""
+    if dtype in LOGIT_TOLERANCES:
+        return f"tolerances ({dtype}): " + ", ".join(f"{k} <= {v:g}" for k, v in LOGIT_TOLERANCES[dtype].items())
+    return (
+        f"tolerances ({dtype}): at most {LOWP_TOLERANCE_FACTOR:g}x the distance of transformers' own {dtype} run "
+        f"from fp32 (same weights, tokens and routing), floors {LOWP_FLOOR}"
+    )
+
+
+def routers(model: torch.nn.Module) -> list[Any]:
+    """megatron-core's MoE routers of ``model`` in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def sequence_major(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """Token rows of a [B, S] batch in transformers' order (b, s) -> megatron-core's order (s, b)."""
+    return rows.reshape(batch, -1, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def routing_agreement(model: torch.nn.Module, captures: Sequence[Any], batch: int) -> dict[str, Any]:
+    """Feed each reference router's input to the matching Megatron router and compare the top-k sets.
+
+    ``captures``: the reference's :class:`~model_support.core.megatron.hf_reference.RouterCapture` list.
+    """
+    ours = routers(model)
+    if len(ours) != len(captures):
+        raise ValueError(f"the model has {len(ours)} MoE routers, the reference {len(captures)}")
+    flips = ties = tokens = 0
+    worst_flip_margin = 0.0
+    for router, cap in zip(ours, captures, strict=True):
+        weight = router.weight.detach()
+        x = sequence_major(cap.inputs, batch).to(weight.device)
+        ref_idx = sequence_major(cap.indices, batch).to(weight.device)
+        ref_logits = sequence_major(cap.logits, batch).to(weight.device)
+        with torch.no_grad():
+            _, routing_map = router(x.to(weight.dtype)[:, None, :])
+        ref_map = torch.zeros_like(routing_map).scatter_(1, ref_idx, True)
+        differ = (routing_map != ref_map).any(dim=1)
+        tokens += int(differ.numel())
+        if not differ.any():
+            continue
+        k = ref_idx.shape[1]
+        top = ref_logits[differ].topk(k + 1, dim=1)
+        margin = top.values[:, k - 1] - top.values[:, k]
+        # Largest change rounding x to the model dtype can make in each logit: u * sum_i |w_ei| |x_i|.
+        unit = torch.finfo(weight.dtype).eps / 2
+        bound = unit * (x[differ].abs().float() @ weight.abs().float().T)
+        movable = bound.gather(1, top.indices[:, k - 1 : k + 1]).sum(dim=1)
+        is_tie = margin <= movable
+        ties += int(is_tie.sum())
+        flips += int((~is_tie).sum())
+        if (~is_tie).any():
+            worst_flip_margin = max(worst_flip_margin, margin[~is_tie].max().item())
+    return {
+        "router_layers": len(ours),
+        "router_tokens": tokens,
+        "router_flips": flips,
+        "router_near_ties": ties,
+        "router_worst_flip_margin": worst_flip_margin,
+    }
+
+
+@contextmanager
+def replayed_routing(model: torch.nn.Module, indices: Sequence[torch.Tensor] | None, batch: int) -> Iterator[None]:
+    """Run ``model`` with each MoE router taking the given top-k indices (transformers' token order)."""
+    if not indices:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    ours = routers(model)
+    if len(ours) != len(indices):
+        raise ValueError(f"the model has {len(ours)} MoE routers, {len(indices)} routings given")
+    if any(r.router_replay is None for r in ours):
+        raise ValueError("the model was built without moe_enable_routing_replay")
+    for router, idx in zip(ours, indices, strict=True):
+        router.router_replay.set_target_indices(sequence_major(idx, batch).to(router.weight.device))
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for router in ours:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+
+@contextmanager
+def recorded_routing(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """Record each MoE router's top-k indices, one list per router with one entry per forward."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    ours = [r for r in routers(model) if r.router_replay is not None]
+    recorded: list[list[torch.Tensor]] = [[] for _ in ours]
+    hooks = []
+    for router, store in zip(ours, recorded, strict=True):
+        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+        hooks.append(
+            router.register_forward_hook(lambda m, _a, _o, s=store: s.append(m.router_replay.recorded_topk_idx))
+        )
+    try:
+        yield recorded
+    finally:
+        for router, hook in zip(ours, hooks, strict=True):
+            hook.remove()
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()

@@ -1,0 +1,247 @@
+"""Random models at a real config's width, for memory, speed and sharding work on real-sized weights.
+
+Where ``core.tiny`` shrinks every dimension for CPU tests, a replica keeps the text model's width:
+hidden size, heads, head dims, intermediate sizes, GDN head counts and dims, expert sizes and vocab
+size stay as the real config has them. ``replica_config`` changes only the depth (``layers``, cut
+on the layer_types pattern), the expert count (``experts``), the special token ids (those of tiny's
+offline chat tokenizer, ids < 512) and the saved dtype; a multimodal config's vision tower is shrunk
+as tiny shrinks it, since the harness checks the text model only. ``build_replica`` builds the model
+directly in the target dtype on the target device, so a large model never exists in fp32 or on the
+host, and saves it in shards into a temporary sibling of the output directory that is renamed into
+place at the end: a failure leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from model_support.core.errors import ConfigError, ModelSupportError
+from model_support.core.layout import text_config
+from model_support.core.tiny import (
+    build_tokenizer,
+    copy_config,
+    expert_key,
+    model_class,
+    set_depth,
+    set_dtype,
+    set_experts,
+    set_token_ids,
+    shrink_vision,
+    special_token_ids,
+    text_section,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+# Largest safetensors shard save_pretrained writes (it splits the state dict through huggingface_hub).
+MAX_SHARD_SIZE = "5GB"
+
+
+class ReplicaError(ModelSupportError):
+    """A replica request that the config or the output directory does not allow (one line, exit status 2)."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What ``build_replica`` wrote."""
+
+    out_dir: Path
+    architecture: str
+    parameters: int
+    layers: int
+    experts: int | None  # experts per MoE layer; None for a dense model
+    dtype: str  # torch's name, e.g. "bfloat16"
+    device: str
+    seconds: float
+
+    def describe(self) -> str:
+        """One line: architecture, parameter count, layers, experts, dtype, device and time taken."""
+        parts = [f"{_count(self.parameters)} parameters", f"{self.layers} layer{'s' if self.layers != 1 else ''}"]
+        if self.experts is not None:
+            parts.append(f"{self.experts} expert{'s' if self.experts != 1 else ''}")
+        parts += [self.dtype, self.device, f"{self.seconds:.1f} s"]
+        return f"{self.architecture} replica written to {self.out_dir}: {', '.join(parts)}"
+
+
+def _count(n: int) -> str:
+    """A parameter count as people write it: 3.07B, 751.6M."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _layer_types(raw: dict[str, Any]) -> list[str]:
+    """The original per-layer kinds: config.json's layer_types, or what transformers derives when it lists none."""
+    listed = text_section(raw).get("layer_types")
+    if listed:
+        return list(listed)
+    import transformers
+
+    # Families derive the pattern from other fields (Qwen3.5 from full_attention_interval, Qwen3 from the sliding
+    # window); the config class knows how.
+    model_type = raw.get("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"transformers {transformers.__version__} has no config class for model_type {model_type!r}; "
+            "upgrade transformers to build it"
+        ) from None
+    return list(getattr(text_config(config), "layer_types", None) or [])
+
+
+def _period(pattern: list[str]) -> int:
+    """The length of the shortest prefix that the pattern repeats."""
+    return next(p for p in range(1, len(pattern) + 1) if all(t == pattern[i % p] for i, t in enumerate(pattern)))
+
+
+def replica_config(raw: dict[str, Any], *, layers: int | None, experts: int | None, dtype: str) -> dict[str, Any]:
+    """A copy of a config.json dict at the real width with ``layers`` layers and ``experts`` experts (see module).
+
+    ``dtype`` is torch's name of the saved dtype. The special token ids are the tokenizer's to set (``set_token_ids``).
+    Raises ``ReplicaError`` for a request the config does not allow.
+    """
+    cfg = copy_config(raw)
+    text = text_section(cfg)
+    arch = cfg["architectures"][0]
+    total = text.get("num_hidden_layers")
+    if not isinstance(total, int):
+        raise ConfigError(f"{arch}'s config.json has no num_hidden_layers")
+    n_layers = total if layers is None else layers
+    if not 1 <= n_layers <= total:
+        raise ReplicaError(f"--layers {n_layers}: {arch} has {total} layers; pass 1 to {total}")
+    pattern = _layer_types(raw)
+    lost = sorted(set(pattern) - set(pattern[:n_layers]))
+    if lost:
+        period = _period(pattern)
+        raise ReplicaError(
+            f"--layers {n_layers} leaves no {' or '.join(lost)} layer in {arch}'s layer_types; "
+            f"pass --layers {period} or more (one full period of the pattern)"
+        )
+    if experts is not None:
+        if expert_key(text) is None:
+            raise ReplicaError(
+                f"--experts applies to MoE configs only; {arch} is dense (no num_experts / num_local_experts)"
+            )
+        if experts < 1:
+            raise ReplicaError(f"--experts {experts}: pass at least 1")
+        set_experts(text, experts, min(int(text.get("num_experts_per_tok", experts)), experts))
+    set_depth(text, n_layers)
+    shrink_vision(cfg)
+    set_dtype(cfg, dtype)
+    return cfg
+
+
+def _check_out(out_dir: Path, overwrite: bool) -> None:
+    """OUT may be written when it does not exist, is an empty directory, or ``overwrite`` is set."""
+    if overwrite or not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    raise ReplicaError(f"{out_dir} exists and is not an empty directory; pass --overwrite to replace it")
+
+
+def _resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as a torch device."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise ReplicaError(f"--device {device}: not a device; pass auto, cpu or cuda") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ReplicaError(f"--device {device}: torch sees no CUDA device; pass --device cpu (or auto)")
+    return target
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp`` to ``out_dir``; whatever ``out_dir`` was is removed only after the rename."""
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    if out_dir.exists() or out_dir.is_symlink():
+        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        _remove(old)
+    else:
+        os.rename(tmp, out_dir)
+
+
+def build_replica(
+    raw_config: dict[str, Any],
+    out_dir: Path,
+    *,
+    layers: int | None,
+    experts: int | None,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    overwrite: bool,
+) -> ReplicaInfo:
+    """Build a random model at ``raw_config``'s width and save it, with tiny's chat tokenizer, to ``out_dir``.
+
+    ``layers`` / ``experts`` default to the config's own; ``device`` is ``auto``, ``cpu``, ``cuda`` or any torch
+    device. ``out_dir`` must not exist or be an empty directory unless ``overwrite`` is set.
+    """
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    out_dir = Path(out_dir).absolute()
+    # Everything that can be refused is refused before anything is written.
+    _check_out(out_dir, overwrite)
+    dtype_name = str(dtype).removeprefix("torch.")
+    cfg = replica_config(raw_config, layers=layers, experts=experts, dtype=dtype_name)
+    model_cls = model_class(cfg["architectures"][0])
+    target = _resolve_device(device)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A hidden sibling on the same file system, so the final rename is atomic; made with the umask's permissions.
+    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        set_token_ids(cfg, special_token_ids(build_tokenizer(tmp)))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        config = transformers.AutoConfig.from_pretrained(tmp)
+        torch.manual_seed(seed)
+        # Parameters are created in the target dtype on the target device: no fp32 or host copy of the model.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with target:
+                model = model_cls(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        parameters = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    text = text_section(cfg)
+    key = expert_key(text)
+    return ReplicaInfo(
+        out_dir=out_dir,
+        architecture=cfg["architectures"][0],
+        parameters=parameters,
+        layers=int(text["num_hidden_layers"]),
+        experts=int(text[key]) if key else None,
+        dtype=dtype_name,
+        device=str(target),
+        seconds=time.perf_counter() - start,
+    )
