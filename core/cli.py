@@ -163,14 +163,18 @@ def tiny(
     target: Annotated[str, typer.Argument(help="Model dir, config.json, cached hub id, handler or architecture.")],
     out: Annotated[Path, typer.Argument(help="Directory to write the replica to.")],
     seed: int = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it is not empty.")] = False,
 ) -> None:
     """Build a tiny random replica of a model's architecture (weights, config, chat tokenizer)."""
+    from model_support.core.outputs import check_out_dir, staged_dir
     from model_support.core.tiny import build_tiny
 
     registry = _registry()
     source = source_for(target, registry, tiny=True)
     resolve_handler(source, registry)
-    build_tiny(source.raw_config, out, seed=seed)
+    check_out_dir(out, overwrite)
+    with staged_dir(out) as tmp:
+        build_tiny(source.raw_config, tmp, seed=seed)
     console.print(f"tiny replica of {source.architectures[0]} written to {out}")
 
 
@@ -193,17 +197,22 @@ def check(
     ] = None,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
+    from model_support.core.outputs import check_report_path, check_workdir
     from model_support.validation.context import CheckContext
     from model_support.validation.report import render_terminal, write_reports
     from model_support.validation.runner import plan, run_checks
 
+    for option, path in (("--json", json_out), ("--markdown", markdown_out), ("--junit", junit_out)):
+        if path is not None:
+            check_report_path(option, path)
+    if workdir is not None:
+        check_workdir(workdir)
     registry = _registry(prefer)
     source = source_for(target, registry, tiny)
     handler = resolve_handler(source, registry)
     stages_to_run = plan([s.stage for s in registry.stages], stage)
     with tempfile.TemporaryDirectory(prefix="model-support-") as tmp:
         work = workdir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
         if tiny:
             from model_support.core.tiny import build_tiny
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model_support.core.config_check import check_config
 from model_support.core.errors import (
     ConfigError,
     HandlerConflictError,
@@ -40,10 +41,15 @@ class ModelSource:
 def _from_hf_cache(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError as exc:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a local path and not a valid hub id ({str(exc).splitlines()[0]}); "
+            "pass a model directory, a config.json or an org/name hub id"
+        ) from None
     except LocalEntryNotFoundError:
         raise ModelNotFoundError(
             f"{repo_id!r} is not a local path and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
@@ -52,8 +58,12 @@ def _from_hf_cache(repo_id: str) -> Path:
 
 
 def locate(target: str) -> ModelSource:
-    """Find config.json for ``target`` and read it."""
-    path = Path(target).expanduser()
+    """Find config.json for ``target``, read it and check it (:func:`~model_support.core.config_check.check_config`).
+
+    The directory is made absolute here, so nothing downstream (a child process in another working
+    directory, e.g. vLLM) can take a relative path for a hub id.
+    """
+    path = Path(target).expanduser().absolute()
     if path.is_file() and path.name.endswith(".json"):
         directory, config_file = path.parent, path
     elif path.is_dir():
@@ -66,11 +76,13 @@ def locate(target: str) -> ModelSource:
     if not config_file.is_file():
         raise ModelNotFoundError(f"{directory} has no config.json; point at a Hugging Face model directory")
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{config_file} is not readable JSON ({exc}); re-download or fix the file") from None
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{config_file} is not readable JSON ({reason}); re-download or fix the file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_file} does not hold a JSON object")
+    check_config(raw, str(config_file))
     return ModelSource(target, directory, raw)
 
 
@@ -102,7 +114,7 @@ def load_config(source: ModelSource) -> Any:
 
     try:
         return AutoConfig.from_pretrained(source.directory, local_files_only=True)
-    except (ValueError, KeyError, OSError, TypeError) as exc:
+    except Exception as exc:  # transformers' own validation errors have no common base class
         import transformers
 
         raise ConfigError(

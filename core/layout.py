@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from model_support.core.errors import ConfigError
+
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
@@ -83,10 +85,12 @@ def derive_layout(config: Any) -> ModelLayout:
         else:
             layer_types = [FULL_ATTENTION] * num_layers
     if len(layer_types) != num_layers:
-        raise ValueError(f"config has {num_layers} layers but {len(layer_types)} layer_types")
+        raise ConfigError(f"config has {num_layers} layers but {len(layer_types)} layer_types; list one kind per layer")
     unknown = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
     if unknown:
-        raise ValueError(f"config has unsupported layer_types {unknown}")
+        raise ConfigError(
+            f"config has layer_types {unknown}; model-support knows {FULL_ATTENTION} and {LINEAR_ATTENTION}"
+        )
 
     moe = None
     num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
@@ -94,6 +98,12 @@ def derive_layout(config: Any) -> ModelLayout:
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         mlp_only = set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0)
+        missing = [f for f in ("num_experts_per_tok", "moe_intermediate_size") if getattr(cfg, f, None) is None]
+        if missing:
+            raise ConfigError(
+                f"config has {num_experts} experts but no {' or '.join(missing)}; an MoE config needs both "
+                "(a family that names them otherwise needs its own handler)"
+            )
         moe = MoELayout(
             num_experts=int(num_experts),
             top_k=int(cfg.num_experts_per_tok),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import HandlerConflictError, UnknownArchitectureError
 from model_support.core.spec import HandlerSpec
-from model_support.plugins.manager import LoadedPlugins, PluginInfo, load_plugins
+from model_support.plugins.manager import LoadedPlugins, PluginControlError, PluginInfo, load_plugins
 
 if TYPE_CHECKING:
     from model_support.validation.stage import Stage
@@ -169,6 +169,20 @@ class Registry:
             )
         return chosen
 
+    def check_preferences(self, preferences: Mapping[str, str], source: str) -> None:
+        """Every handler and architecture a preference names must exist (``source`` names it in the error)."""
+        for key, handler in preferences.items():
+            if handler not in self.handlers:
+                known = ", ".join(sorted(self.handlers)) or "none"
+                raise PluginControlError(
+                    f"{source} names handler {handler}, which is not installed; installed handlers: {known}"
+                )
+            if not key.startswith("*") and key not in self.claims:
+                raise PluginControlError(
+                    f"{source} names architecture {key}, which no installed handler claims; "
+                    f"claimed: {', '.join(sorted(self.claims)) or 'none'}"
+                )
+
     def get(self, name_or_arch: str) -> RegisteredHandler:
         """A handler by its name or by an architecture it claims."""
         if name_or_arch in self.handlers:
@@ -187,6 +201,8 @@ def load_registry(env: Mapping[str, str] | None = None, prefer: Mapping[str, str
     Preferences come from ``MODEL_SUPPORT_PREFER`` and, taking precedence, ``prefer``.
     """
     environ = dict(env if env is not None else os.environ)
-    preferences = parse_preferences(environ.get(PREFER_ENV, ""))
-    preferences.update(prefer or {})
-    return Registry.from_plugins(load_plugins(environ), preferences)
+    from_env = parse_preferences(environ.get(PREFER_ENV, ""))
+    registry = Registry.from_plugins(load_plugins(environ), {**from_env, **(prefer or {})})
+    registry.check_preferences(from_env, PREFER_ENV)
+    registry.check_preferences(prefer or {}, "--prefer")
+    return registry

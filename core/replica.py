@@ -14,16 +14,14 @@ place at the end: a failure leaves nothing half-written.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ConfigError, ModelSupportError
 from model_support.core.layout import text_config
+from model_support.core.outputs import check_out_dir, staged_dir
 from model_support.core.tiny import (
     build_tokenizer,
     copy_config,
@@ -138,15 +136,6 @@ def replica_config(raw: dict[str, Any], *, layers: int | None, experts: int | No
     return cfg
 
 
-def _check_out(out_dir: Path, overwrite: bool) -> None:
-    """OUT may be written when it does not exist, is an empty directory, or ``overwrite`` is set."""
-    if overwrite or not (out_dir.exists() or out_dir.is_symlink()):
-        return
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        return
-    raise ReplicaError(f"{out_dir} exists and is not an empty directory; pass --overwrite to replace it")
-
-
 def _resolve_device(device: str) -> torch.device:
     """``auto`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as a torch device."""
     import torch
@@ -160,26 +149,6 @@ def _resolve_device(device: str) -> torch.device:
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ReplicaError(f"--device {device}: torch sees no CUDA device; pass --device cpu (or auto)")
     return target
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished ``tmp`` to ``out_dir``; whatever ``out_dir`` was is removed only after the rename."""
-    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
-        out_dir.rmdir()
-    if out_dir.exists() or out_dir.is_symlink():
-        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        _remove(old)
-    else:
-        os.rename(tmp, out_dir)
 
 
 def build_replica(
@@ -204,17 +173,13 @@ def build_replica(
     start = time.perf_counter()
     out_dir = Path(out_dir).absolute()
     # Everything that can be refused is refused before anything is written.
-    _check_out(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite)
     dtype_name = str(dtype).removeprefix("torch.")
     cfg = replica_config(raw_config, layers=layers, experts=experts, dtype=dtype_name)
     model_cls = model_class(cfg["architectures"][0])
     target = _resolve_device(device)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A hidden sibling on the same file system, so the final rename is atomic; made with the umask's permissions.
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with staged_dir(out_dir) as tmp:
         set_token_ids(cfg, special_token_ids(build_tokenizer(tmp)))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         config = transformers.AutoConfig.from_pretrained(tmp)
@@ -229,10 +194,6 @@ def build_replica(
             torch.set_default_dtype(default_dtype)
         parameters = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
-        _move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     text = text_section(cfg)
     key = expert_key(text)
     return ReplicaInfo(

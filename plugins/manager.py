@@ -13,9 +13,14 @@ from importlib import metadata
 
 import pluggy
 
+from model_support.core.errors import ModelSupportError
 from model_support.plugins import hookspecs
 
 PLUGINS_ENV = "MODEL_SUPPORT_PLUGINS"
+
+
+class PluginControlError(ModelSupportError):
+    """A plugin control (``MODEL_SUPPORT_PLUGINS``, ``MODEL_SUPPORT_PREFER``, ``--prefer``) names nothing there."""
 
 
 @dataclass(frozen=True)
@@ -83,4 +88,10 @@ def load_plugins(env: dict[str, str] | None = None) -> LoadedPlugins:
             loaded.broken.append(BrokenPlugin(ep.name, dist_name, f"{type(exc).__name__}: {exc}"))
             continue
         loaded.plugins[ep.name] = PluginInfo(ep.name, dist_name, version)
+    unknown = sorted(allowed - seen) if allowed is not None else []
+    if unknown:
+        raise PluginControlError(
+            f"{PLUGINS_ENV} names {', '.join(unknown)}, which no installed plugin is; installed plugins: "
+            f"{', '.join(sorted(seen)) or 'none'} (entry-point names of group {hookspecs.ENTRY_POINT_GROUP!r})"
+        )
     return loaded

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from model_support.core.errors import ModelSupportError
+from model_support.core.errors import ConfigError, ModelSupportError
 
 TEMPLATE = Path(__file__).with_name("template")
 
@@ -66,7 +66,7 @@ def template_context(
         transformers_config = load_config(locate(tmp))
     try:
         layout = derive_layout(transformers_config)
-    except ValueError as exc:
+    except ConfigError as exc:
         raise NewHandlerError(f"{config}: cannot read the layer layout ({exc})") from None
     architecture = source.architectures[0]
     return {

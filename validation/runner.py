@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 import traceback
@@ -108,12 +109,21 @@ def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult]) -> S
     if reason:
         return stage.skipped(reason)
     try:
-        return stage.run(ctx)
+        result = stage.run(ctx)
     except Exception as exc:
         return stage.failed(
             f"raised {type(exc).__name__}: {exc}",
             details=traceback.format_exc().rstrip().splitlines()[-12:],
         )
+    nonfinite = sorted(k for k, v in result.metrics.items() if isinstance(v, float) and not math.isfinite(v))
+    if nonfinite and result.status is Status.PASS:
+        return stage.failed(
+            f"{', '.join(nonfinite)} not finite: a number the stage measured is NaN or infinite",
+            metrics=result.metrics,
+            thresholds=result.thresholds,
+            details=result.details,
+        )
+    return result
 
 
 def run_checks(

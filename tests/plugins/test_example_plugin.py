@@ -49,7 +49,7 @@ def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Pa
     report = json.loads(report_path.read_text())
     assert report["handler"] == "llama" and report["handler_origin"] == "model-support-llama 0.1.0"
     results = {r["stage"]: r for r in report["results"]}
-    assert list(results) == ["dependencies", "architecture", *MEGATRON_STAGES]
+    assert list(results) == ["dependencies", "architecture", "weights", *MEGATRON_STAGES]
     assert results["dependencies"]["status"] == results["architecture"]["status"] == "pass"
     assert results["architecture"]["metrics"] == {
         "layers": 2,

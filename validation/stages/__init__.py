@@ -10,10 +10,12 @@ from model_support.validation.stages.native_vllm_lora import NativeVllmLoraStage
 from model_support.validation.stages.packed_position_ids import PackedPositionIdsStage
 from model_support.validation.stages.train_inference_mismatch import TrainInferenceMismatchStage
 from model_support.validation.stages.trainability import TrainabilityStage
+from model_support.validation.stages.weights import WeightsStage
 
 BUILTIN_STAGES = (
     DependenciesStage,
     ArchitectureStage,
+    WeightsStage,
     HfParityStage,
     LoraCoverageStage,
     PackedPositionIdsStage,
@@ -36,4 +38,5 @@ __all__ = [
     "PackedPositionIdsStage",
     "TrainInferenceMismatchStage",
     "TrainabilityStage",
+    "WeightsStage",
 ]

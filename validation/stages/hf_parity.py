@@ -28,7 +28,7 @@ class HfParityStage(Stage):
     name = "hf_parity"
     title = "Megatron logits match the fp32 transformers reference on the same weights and tokens."
     order = 30
-    requires = ("architecture",)
+    requires = ("weights",)
     packages = MEGATRON_PACKAGES
     batch, seq_len = 2, 32
 

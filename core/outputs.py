@@ -1,0 +1,109 @@
+"""Where commands write: checked before any work starts, and never left half-written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from model_support.core.errors import ModelSupportError
+
+
+class OutputPathError(ModelSupportError):
+    """A path the user asked a command to write to cannot be used (one line, exit status 2)."""
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """A model directory may be written when it does not exist, is an empty directory, or ``overwrite`` is set."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputPathError(f"{out_dir} is a file, not a directory; choose a directory to write the model to")
+    if overwrite or not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    raise OutputPathError(f"{out_dir} exists and is not an empty directory; pass --overwrite to replace it")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+@contextmanager
+def staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A hidden sibling of ``out_dir`` to write into, renamed to ``out_dir`` when the block completes.
+
+    On any failure the sibling is removed and ``out_dir`` is as it was; whatever ``out_dir`` held is removed
+    only after the rename (same file system, so the rename is atomic).
+    """
+    out_dir = out_dir.absolute()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(f"cannot create {out_dir.parent} ({exc.strerror}); choose a writable directory") from None
+    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise OutputPathError(
+            f"cannot write in {out_dir.parent} ({exc.strerror}); choose a writable directory"
+        ) from None
+    try:
+        yield tmp
+        if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        if out_dir.exists() or out_dir.is_symlink():
+            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            _remove(old)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_report_path(option: str, path: Path) -> None:
+    """A report file (``--json`` ...) must be writable before any stage runs: not a directory, and its directory
+    either there and writable or creatable (the nearest existing ancestor a writable directory)."""
+    if path.is_dir():
+        raise OutputPathError(f"{option} {path}: is a directory; give a file name")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputPathError(f"{option} {path}: not writable; choose another path")
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputPathError(f"{option} {path}: {ancestor} is a file, not a directory; choose another path")
+    if not _can_create_in(ancestor):
+        raise OutputPathError(f"{option} {path}: {ancestor} is not writable; choose another path")
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried: permission bits say nothing for root or /proc)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".model-support-probe-"):
+            return True
+    except OSError:
+        return False
+
+
+def check_workdir(path: Path) -> None:
+    """``--workdir`` must be a directory (created if missing) this process can write in."""
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"--workdir {path}: is a file; give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(
+            f"--workdir {path}: cannot be created ({exc.strerror}); give a writable directory"
+        ) from None
+    if not _can_create_in(path):
+        raise OutputPathError(f"--workdir {path}: not writable; give a writable directory")

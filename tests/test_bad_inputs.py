@@ -1,0 +1,228 @@
+"""Bad input gets one line naming what is wrong and what to do, exit status 2, and nothing half-written.
+
+A regression suite: each case is a mistake a user made, with the exit code and the message it must get.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from model_support.core.discovery import locate
+from model_support.core.errors import ConfigError, ModelNotFoundError
+from model_support.handlers.configs import CONFIGS
+from tests.helpers import run_cli
+
+QWEN3 = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
+QWEN35_MOE = json.loads((CONFIGS / "qwen3.5-35b-a3b.json").read_text())
+
+
+def _one_line_error(result) -> str:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def _write_config(tmp_path: Path, config: dict | str | bytes, name: str = "config.json") -> Path:
+    path = tmp_path / name
+    if isinstance(config, bytes):
+        path.write_bytes(config)
+    else:
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return path
+
+
+def _with(base: dict, **changes) -> dict:
+    out = json.loads(json.dumps(base))
+    text = out.get("text_config", out)
+    for key, value in changes.items():
+        text[key] = value
+    return out
+
+
+CONFIG_CASES = {
+    "negative layers": (_with(QWEN3, num_hidden_layers=-2), "`num_hidden_layers` is -2; it must be between 1 and 1024"),
+    "a billion layers": (
+        _with(QWEN3, num_hidden_layers=1_000_000_000),
+        "`num_hidden_layers` is 1000000000; it must be between 1 and 1024",
+    ),
+    "layers as a string": (_with(QWEN3, num_hidden_layers="28"), "`num_hidden_layers` must be an integer, got '28'"),
+    "heads not divisible": (
+        _with(QWEN3, num_key_value_heads=5),
+        "`num_attention_heads` (16) is not a multiple of `num_key_value_heads` (5)",
+    ),
+    "layer_types too short": (
+        _with(QWEN35_MOE, layer_types=["linear_attention"] * 3),
+        "`layer_types` lists 3 layers but `num_hidden_layers` is 40",
+    ),
+    "layer_types not strings": (_with(QWEN35_MOE, layer_types=[1] * 40), "`layer_types` must be a list of strings"),
+    "architectures as a string": (
+        {**QWEN3, "architectures": "Qwen3ForCausalLM"},
+        "`architectures` must be a non-empty list of class names",
+    ),
+    "architectures empty": ({**QWEN3, "architectures": []}, "`architectures` must be a non-empty list of class names"),
+    "top-k above the experts": (
+        _with(QWEN35_MOE, num_experts_per_tok=300),
+        "`num_experts_per_tok` (300) is larger than the number of experts (256)",
+    ),
+    "vocab absurd": (_with(QWEN3, vocab_size=10**12), "`vocab_size` is 1000000000000"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_mistakes_are_caught_before_transformers_sees_them(tmp_path: Path, case: str) -> None:
+    config, message = CONFIG_CASES[case]
+    path = _write_config(tmp_path, config)
+    with pytest.raises(ConfigError) as err:
+        locate(str(path))
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_non_utf8_and_non_object_configs(tmp_path: Path) -> None:
+    bad = _write_config(tmp_path, b"\xff\xfe{not json", "a.json")
+    with pytest.raises(ConfigError, match="is not readable JSON"):
+        locate(str(bad))
+    listed = _write_config(tmp_path, "[1, 2]", "b.json")
+    with pytest.raises(ConfigError, match="does not hold a JSON object"):
+        locate(str(listed))
+
+
+@pytest.mark.parametrize("target", ["org/..", "org--x/name", "a/" + "b" * 200, "org/na me"])
+def test_hub_id_shaped_strings_that_are_no_hub_ids(target: str) -> None:
+    with pytest.raises(ModelNotFoundError) as err:
+        locate(target)
+    assert target in str(err.value)
+
+
+def test_located_directory_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative model path is resolved before anything hands it to a child process (e.g. vLLM)."""
+    (tmp_path / "base").mkdir()
+    _write_config(tmp_path / "base", QWEN3)
+    monkeypatch.chdir(tmp_path)
+    source = locate("base")
+    assert source.directory.is_absolute()
+    assert source.directory == tmp_path / "base"
+
+
+def test_check_reports_a_config_mistake_in_one_line(tmp_path: Path) -> None:
+    path = _write_config(tmp_path, _with(QWEN3, num_hidden_layers="many"))
+    line = _one_line_error(run_cli("check", str(path), "-s", "architecture"))
+    assert "`num_hidden_layers` must be an integer, got 'many'" in line
+
+
+def test_tiny_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    line = _one_line_error(run_cli("tiny", "qwen3", str(out)))
+    assert "exists and is not an empty directory; pass --overwrite" in line
+    assert (out / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def test_report_paths_are_checked_before_any_stage_runs(tmp_path: Path) -> None:
+    line = _one_line_error(run_cli("check", "qwen3", "--tiny", "--json", str(tmp_path), "-s", "architecture"))
+    assert f"--json {tmp_path}: is a directory" in line
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    nested = blocker / "report.md"
+    line = _one_line_error(run_cli("check", "qwen3", "--tiny", "--markdown", str(nested), "-s", "architecture"))
+    assert f"--markdown {nested}: {blocker} is a file, not a directory" in line
+    line = _one_line_error(run_cli("check", "qwen3", "--tiny", "--junit", "/proc/x.xml", "-s", "architecture"))
+    assert "--junit /proc/x.xml: /proc is not writable" in line
+
+
+def test_workdir_that_is_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "work"
+    file.write_text("x")
+    line = _one_line_error(run_cli("check", "qwen3", "--tiny", "--workdir", str(file), "-s", "architecture"))
+    assert f"--workdir {file}: is a file" in line
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MODEL_SUPPORT_PLUGINS": "bultin"}, "MODEL_SUPPORT_PLUGINS names bultin, which no installed plugin is"),
+        ({"MODEL_SUPPORT_PREFER": "Qwen3ForCausalLM=nobody"}, "MODEL_SUPPORT_PREFER names handler nobody"),
+        ({"MODEL_SUPPORT_PREFER": "qwen9"}, "MODEL_SUPPORT_PREFER names handler qwen9"),
+    ],
+)
+def test_plugin_controls_with_unknown_names(env: dict[str, str], message: str) -> None:
+    line = _one_line_error(run_cli("list", env=env))
+    assert message in line
+
+
+def test_prefer_option_with_an_unknown_handler() -> None:
+    line = _one_line_error(run_cli("check", "qwen3", "--tiny", "--prefer", "nobody", "-s", "architecture"))
+    assert "--prefer names handler nobody" in line
+
+
+def _tiny_copy(tiny_model_dir, handler: str, tmp_path: Path) -> Path:
+    import shutil
+
+    out = tmp_path / handler
+    shutil.copytree(tiny_model_dir(handler), out)
+    return out
+
+
+def _edit_weights(model_dir: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_nan_embedding_rows_fail_the_weights_stage_by_name(tiny_model_dir, tmp_path: Path) -> None:
+    """20% NaN rows in the embedding: random tokens would miss them; the streamed check does not."""
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+
+    def poison(tensors: dict) -> None:
+        embed = tensors["model.embed_tokens.weight"]
+        embed[: embed.shape[0] // 5] = float("nan")
+
+    _edit_weights(model_dir, poison)
+    report = tmp_path / "report.json"
+    result = run_cli("check", str(model_dir), "-s", "hf_parity", "--json", str(report))
+    assert result.returncode == 1, result.stderr
+    results = {r["stage"]: r for r in json.loads(report.read_text())["results"]}
+    weights = results["weights"]
+    assert weights["status"] == "fail"
+    assert weights["metrics"]["nonfinite_tensors"] == 1
+    assert any("model.embed_tokens.weight" in d and "not finite" in d for d in weights["details"])
+    assert results["hf_parity"]["status"] == "skip"
+    assert "requires stage 'weights', which failed" in results["hf_parity"]["summary"]
+
+
+def test_an_all_zero_weight_matrix_fails_the_weights_stage(tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+    _edit_weights(model_dir, lambda t: t["model.layers.1.mlp.down_proj.weight"].zero_())
+    report = tmp_path / "report.json"
+    result = run_cli("check", str(model_dir), "-s", "weights", "--json", str(report))
+    assert result.returncode == 1
+    weights = {r["stage"]: r for r in json.loads(report.read_text())["results"]}["weights"]
+    assert weights["summary"] == "zero_matrices=1 > 0"
+    assert weights["details"] == ["all zeros: model.layers.1.mlp.down_proj.weight in model.safetensors"]
+
+
+def test_moe_config_without_expert_sizes_is_a_config_error() -> None:
+    """A family whose config class has no expert-size field (transformers gives Qwen's a default)."""
+    from types import SimpleNamespace
+
+    from model_support.core.layout import derive_layout
+
+    config = SimpleNamespace(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match="8 experts but no moe_intermediate_size; an MoE config needs both"):
+        derive_layout(config)
+
+
+def test_tiny_into_an_unwritable_place(tmp_path: Path) -> None:
+    line = _one_line_error(run_cli("tiny", "qwen3", "/proc/model-support-test"))
+    assert "cannot write in /proc" in line

@@ -1,0 +1,65 @@
+"""Stage `weights`: every tensor of the checkpoint is finite, and no weight matrix is all zeros."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+class WeightsStage(Stage):
+    """Streams every tensor of every safetensors file (one tensor in memory at a time): a tensor with a
+    NaN or an infinity fails the stage by name, and so does an all-zero matrix (a 2-D or larger tensor;
+    a trained or randomly initialised weight matrix is never all zeros, while 1-D norm or bias vectors
+    may be). A few random tokens would miss a NaN row of the embedding; this does not."""
+
+    name = "weights"
+    title = "Every checkpoint tensor is finite and no weight matrix is all zeros."
+    order = 25
+    requires = ("architecture",)
+    thresholds: ClassVar[dict[str, float]] = {"nonfinite_tensors": 0, "zero_matrices": 0}
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        from safetensors import safe_open
+
+        files = _weight_files(ctx.model_dir)
+        if not files:
+            return self.failed(f"no safetensors weights in {ctx.model_dir}")
+        nonfinite: list[str] = []
+        zero: list[str] = []
+        tensors = elements = 0
+        for path in files:
+            try:
+                with safe_open(path, "pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        tensor = f.get_tensor(key)
+                        tensors += 1
+                        elements += tensor.numel()
+                        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                            bad = int((~torch.isfinite(tensor)).sum())
+                            nonfinite.append(f"{key} ({bad} of {tensor.numel()} not finite) in {path.name}")
+                        elif tensor.dim() >= 2 and tensor.numel() and not bool(tensor.any()):
+                            zero.append(f"{key} in {path.name}")
+            except Exception as exc:  # safetensors raises its own error types for a truncated or corrupt file
+                return self.failed(f"cannot read {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        metrics = {
+            "files": len(files),
+            "tensors": tensors,
+            "elements": elements,
+            "nonfinite_tensors": len(nonfinite),
+            "zero_matrices": len(zero),
+        }
+        details = [f"not finite: {name}" for name in nonfinite[:8]] + [f"all zeros: {name}" for name in zero[:8]]
+        return self.judge(metrics, self.thresholds, f"{tensors} tensors in {len(files)} file(s), all finite", details)
