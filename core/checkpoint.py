@@ -33,6 +33,7 @@ class TextCheckpoint:
         from safetensors import safe_open
 
         self.config = config
+        self.source_dir = model_dir
         index = model_dir / "model.safetensors.index.json"
         files = (
             sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})

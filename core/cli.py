@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -188,7 +187,10 @@ def check(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
     markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Write the report as Markdown.")] = None,
     junit_out: Annotated[Path | None, typer.Option("--junit", help="Write the report as JUnit XML.")] = None,
-    workdir: Annotated[Path | None, typer.Option(help="Keep artifacts (tiny model, exports) here.")] = None,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(help="Keep artifacts (tiny model, exports, server logs) here, one subdirectory per run."),
+    ] = None,
     prefer: PreferOption = None,
     seed: int = 0,
     dtype: Annotated[
@@ -197,7 +199,7 @@ def check(
     ] = None,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
-    from model_support.core.outputs import check_report_path, check_workdir
+    from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
     from model_support.validation.context import CheckContext
     from model_support.validation.report import render_terminal, write_reports
     from model_support.validation.runner import plan, run_checks
@@ -211,8 +213,9 @@ def check(
     source = source_for(target, registry, tiny)
     handler = resolve_handler(source, registry)
     stages_to_run = plan([s.stage for s in registry.stages], stage)
-    with tempfile.TemporaryDirectory(prefix="model-support-") as tmp:
-        work = workdir or Path(tmp)
+    work = start_run_dir(workdir)
+    report = None
+    try:
         if tiny:
             from model_support.core.tiny import build_tiny
 
@@ -233,6 +236,12 @@ def check(
         )
         err.print(f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}")
         report = run_checks(ctx, stages_to_run, on_result=lambda r: err.print(f"  {r.stage}: {r.status}"))
+    finally:
+        # A --workdir run keeps its files; a temporary one keeps them only when a stage failed (logs to read).
+        keep = workdir is not None or (report is not None and report.exit_code != 0)
+        finish_run_dir(work, keep=keep)
+    if keep:
+        err.print(f"artifacts and logs of this run: {work}")
     render_terminal(report, console)
     write_reports(report, json_out, markdown_out, junit_out)
     raise typer.Exit(report.exit_code)

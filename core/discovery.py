@@ -28,6 +28,7 @@ class ModelSource:
     target: str
     directory: Path
     raw_config: dict[str, Any]
+    config_file: Path
 
     @property
     def architectures(self) -> list[str]:
@@ -83,7 +84,7 @@ def locate(target: str) -> ModelSource:
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_file} does not hold a JSON object")
     check_config(raw, str(config_file))
-    return ModelSource(target, directory, raw)
+    return ModelSource(target, directory, raw, config_file)
 
 
 def resolve_handler(source: ModelSource, registry: Registry) -> RegisteredHandler:
@@ -113,11 +114,12 @@ def load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source.directory, local_files_only=True)
+        # The file the user named (it may not be called config.json), not the directory's config.json.
+        return AutoConfig.from_pretrained(source.config_file, local_files_only=True)
     except Exception as exc:  # transformers' own validation errors have no common base class
         import transformers
 
         raise ConfigError(
-            f"transformers {transformers.__version__} cannot load {source.directory / 'config.json'} "
+            f"transformers {transformers.__version__} cannot load {source.config_file} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0]}); check the file or upgrade transformers"
         ) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,3 +108,54 @@ def check_workdir(path: Path) -> None:
         ) from None
     if not _can_create_in(path):
         raise OutputPathError(f"--workdir {path}: not writable; give a writable directory")
+
+
+RUN_PREFIX = "model-support-run-"
+_OWNER = ".owner-pid"  # present while the run that made the directory is alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_dead_runs(parent: Path) -> list[Path]:
+    """Remove the run directories under ``parent`` whose run died without finishing (e.g. ``kill -9``)."""
+    removed = []
+    for candidate in parent.glob(f"{RUN_PREFIX}*"):
+        marker = candidate / _OWNER
+        try:
+            pid = int(marker.read_text())
+        except (OSError, ValueError):
+            continue  # finished runs drop the marker; what they kept stays
+        if not _alive(pid):
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
+
+
+def start_run_dir(workdir: Path | None) -> Path:
+    """A fresh directory that this run owns: under ``workdir`` when given, else in the system's temp directory.
+
+    Each run gets its own (timestamp and PID in the name), so runs in one ``--workdir`` never share files and a
+    re-run never meets the last one's exports. Directories of runs that died are removed first.
+    """
+    parent = workdir if workdir is not None else Path(tempfile.gettempdir())
+    clean_dead_runs(parent)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{stamp}-{os.getpid()}-", dir=parent))
+    (run_dir / _OWNER).write_text(str(os.getpid()))
+    return run_dir
+
+
+def finish_run_dir(run_dir: Path, *, keep: bool) -> None:
+    """Remove ``run_dir``, or keep it (no longer marked as a live run's) when its files are worth reading."""
+    if keep:
+        (run_dir / _OWNER).unlink(missing_ok=True)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -226,3 +226,111 @@ def test_moe_config_without_expert_sizes_is_a_config_error() -> None:
 def test_tiny_into_an_unwritable_place(tmp_path: Path) -> None:
     line = _one_line_error(run_cli("tiny", "qwen3", "/proc/model-support-test"))
     assert "cannot write in /proc" in line
+
+
+@pytest.mark.parametrize(
+    ("message", "status", "words"),
+    [
+        ("vLLM exited while starting: OSError: Can't load tokenizer for '/m' (log: /w/vllm.log)", "fail", "failed"),
+        ("vLLM /v1/completions answered 500: NaN in logits; server log: ValueError: nan (log: /w/l)", "fail", "failed"),
+        ("vLLM exited while starting: ValueError: Model architectures ['FooForCausalLM'] are not supported for now.",
+         "skip", "has no implementation"),
+        ("vLLM /v1/completions answered 500: x; server log: AttributeError: module 'triton.language' has no "
+         "attribute 'float32' (log: /w/l)", "skip", "fused-MoE LoRA needs Triton"),
+    ],
+)  # fmt: skip
+def test_only_named_build_gaps_make_a_serving_error_a_skip(tiny_model_dir, message: str, status: str, words: str):
+    """A serving error is a failure unless vLLM says the build cannot run the model (registry, named CPU gap)."""
+    from transformers import AutoConfig
+
+    from model_support.core.serving.errors import ServerError
+    from model_support.core.serving.runtime import RuntimeMissingError, load_runtime
+    from model_support.validation.stages.merged_serving import MergedServingStage, cannot_serve
+
+    try:
+        runtime = load_runtime()
+    except RuntimeMissingError as exc:
+        pytest.skip(str(exc))
+    if runtime.flavor != "cpu" and "triton" in message:
+        pytest.skip("the Triton gap is a CPU-build gap")
+    ctx = type("Ctx", (), {"config": AutoConfig.from_pretrained(tiny_model_dir("qwen3"))})()
+    result = cannot_serve(MergedServingStage(), ctx, ServerError(message))
+    assert str(result.status) == status
+    assert words in result.summary and message in result.summary
+
+
+@pytest.mark.slow
+def test_a_model_without_tokenizer_fails_serving_and_keeps_the_log(tiny_model_dir, tmp_path: Path) -> None:
+    """Before: any vLLM failure on the CPU build was a skip, and the log was deleted with the temp dir."""
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+    for tokenizer_file in model_dir.glob("tokenizer*.json"):
+        tokenizer_file.unlink()
+    report = tmp_path / "report.json"
+    result = run_cli("check", str(model_dir), "-s", "merged_serving", "--json", str(report))
+    if "serving runtime" in result.stdout and "skip" in result.stdout:
+        pytest.skip("no vLLM runtime installed")
+    assert result.returncode == 1, result.stdout + result.stderr
+    serving = {r["stage"]: r for r in json.loads(report.read_text())["results"]}["merged_serving"]
+    assert serving["status"] == "fail"
+    assert "failed serving Qwen3ForCausalLM" in serving["summary"]
+    log = Path(serving["summary"].rsplit("(log: ", 1)[1].split(")")[0])
+    assert log.is_file() and log.stat().st_size > 0
+    assert "artifacts and logs of this run:" in result.stderr
+
+
+def test_workdir_is_reusable_and_runs_never_share_files(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    work = tmp_path / "w"
+    first = run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work))
+    second = run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work))
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    runs = sorted(work.glob("model-support-run-*"))
+    assert len(runs) == 2 and all((r / "tiny-model" / "config.json").is_file() for r in runs)
+    # A run that was killed (its PID gone) leaves a marked directory; the next run removes it.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    crashed = work / "model-support-run-20260101-000000-1-x"
+    crashed.mkdir()
+    (crashed / ".owner-pid").write_text(dead.stdout.strip())
+    assert run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work)).returncode == 0
+    assert not crashed.exists()
+    assert len(list(work.glob("model-support-run-*"))) == 3
+
+
+def test_model_type_that_contradicts_the_architecture_fails_architecture(tmp_path: Path) -> None:
+    path = _write_config(tmp_path, {**QWEN3, "model_type": "qwen3_moe"})
+    report = tmp_path / "r.json"
+    result = run_cli("check", str(path), "-s", "architecture", "--json", str(report))
+    assert result.returncode == 1, result.stderr
+    arch = {r["stage"]: r for r in json.loads(report.read_text())["results"]}["architecture"]
+    assert arch["status"] == "fail"
+    assert arch["summary"].startswith("model_type 'qwen3_moe' contradicts Qwen3ForCausalLM, whose handler qwen3")
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(tiny_model_dir, tmp_path: Path) -> None:
+    import torch
+
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+    key = "model.layers.0.self_attn.k_proj.weight"
+    _edit_weights(model_dir, lambda t: t.__setitem__(key, torch.zeros(t[key].shape[0] + 8, t[key].shape[1]) + 0.01))
+    report = tmp_path / "r.json"
+    result = run_cli("check", str(model_dir), "-s", "hf_parity", "--json", str(report))
+    assert result.returncode == 1, result.stderr
+    parity = {r["stage"]: r for r in json.loads(report.read_text())["results"]}["hf_parity"]
+    assert parity["status"] == "fail"
+    assert "cannot convert" in parity["summary"] and key in parity["summary"]
+    assert "Traceback" not in parity["summary"] and not parity["details"]
+    assert str(model_dir) in parity["summary"]
+
+
+def test_a_config_file_with_another_name_is_the_one_loaded(tmp_path: Path) -> None:
+    """`check dir/other-name.json` reads that file, not dir/config.json (before: "cannot load dir/config.json")."""
+    from model_support.core.discovery import load_config
+
+    _write_config(tmp_path, _with(QWEN3, num_hidden_layers=3), "other-name.json")
+    source = locate(str(tmp_path / "other-name.json"))
+    assert load_config(source).num_hidden_layers == 3
+    _write_config(tmp_path, {**QWEN3, "num_attention_heads": None}, "broken.json")
+    with pytest.raises(ConfigError, match=r"cannot load .*broken\.json \(StrictDataclass"):
+        load_config(locate(str(tmp_path / "broken.json")))

@@ -53,7 +53,10 @@ def test_check_tiny_writes_every_report_format(tmp_path):
     assert data["tiny"] is True and data["handler"] == "qwen3-moe"
     arch = next(r for r in data["results"] if r["stage"] == "architecture")
     assert arch["metrics"]["experts"] == 4
-    assert (tmp_path / "w" / "tiny-model" / "config.json").is_file()
+    # The run owned a fresh subdirectory of --workdir, kept and named on exit.
+    (run_dir,) = (tmp_path / "w").glob("model-support-run-*")
+    assert (run_dir / "tiny-model" / "config.json").is_file()
+    assert f"artifacts and logs of this run: {run_dir}" in result.stderr.replace("\n", "")
     assert "| architecture | PASS |" in (out / "r.md").read_text()
     assert ET.parse(out / "r.xml").getroot().find("testsuite").get("failures") == "0"
 

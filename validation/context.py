@@ -36,3 +36,20 @@ class CheckContext:
     @property
     def spec(self):  # -> HandlerSpec
         return self.handler.spec
+
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (loaded once); a one-line error when there is none that loads."""
+        if "tokenizer" not in self.artifacts:
+            from transformers import AutoTokenizer
+
+            from model_support.core.errors import ModelSupportError
+
+            try:
+                self.artifacts["tokenizer"] = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception as exc:  # transformers raises OSError, ValueError or TypeError here
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ModelSupportError(
+                    f"no usable tokenizer in {self.model_dir} ({type(exc).__name__}: {reason}); add the checkpoint's "
+                    "tokenizer files"
+                ) from None
+        return self.artifacts["tokenizer"]

@@ -110,6 +110,8 @@ def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult]) -> S
         return stage.skipped(reason)
     try:
         result = stage.run(ctx)
+    except ModelSupportError as exc:  # our own errors already say what is wrong and what to do
+        return stage.failed(str(exc))
     except Exception as exc:
         return stage.failed(
             f"raised {type(exc).__name__}: {exc}",

@@ -295,7 +295,19 @@ def _load_weights(built: MegatronModel) -> None:
             module.config = built.provider
         if built.tensor_parallel > 1 and built.numerics.device.type != "cuda":
             _replicate_locally(mapping, module)
-        value = mapping.hf_to_megatron(hf_weights, module)
+        try:
+            value = mapping.hf_to_megatron(hf_weights, module)
+        except Exception as exc:  # the bridge's own errors do not name the tensor
+            shapes = (
+                {k: tuple(v.shape) for k, v in hf_weights.items()}
+                if isinstance(hf_weights, dict)
+                else tuple(hf_weights.shape)
+            )
+            raise MegatronBuildError(
+                f"{name}: cannot convert {', '.join(hf_names)} {shapes} from {built.checkpoint.source_dir} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); does the checkpoint "
+                "match its config.json?"
+            ) from None
         if tuple(value.shape) != tuple(param.shape):
             raise MegatronBuildError(f"{name}: bridge produced {tuple(value.shape)}, model has {tuple(param.shape)}")
         with torch.no_grad():

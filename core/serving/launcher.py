@@ -8,8 +8,9 @@ leads a process group that holds the command and everything the command spawns. 
   parent), and double-checks ``getppid()`` every 0.2 s in case the parent died before that request;
 * starts the command with ``PR_SET_PDEATHSIG=SIGKILL``, so the command dies if the launcher is killed;
 * becomes a child subreaper, so descendants that the command orphans are re-parented to it and reaped;
-* on parent death, a stop signal, or the command's exit: SIGTERM to every other member of its process
-  group, then SIGKILL after the grace period, and exits with the command's status.
+* on a stop signal or the command's exit: SIGTERM to every other member of its process group, then SIGKILL
+  after the grace period; on parent death: SIGKILL at once (nobody is left to wait for a clean shutdown);
+  then it exits with the command's status.
 
 Linux only (prctl, /proc).
 """
@@ -66,9 +67,11 @@ def _reap(child_pid: int, status: dict[str, int]) -> None:
             status["code"] = os.waitstatus_to_exitcode(wstatus)
 
 
-def _take_down_group(child_pid: int, status: dict[str, int], grace_s: float) -> None:
+def _take_down_group(child_pid: int, status: dict[str, int], grace_s: float | None) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; straight to SIGKILL when ``grace_s`` is None."""
     me = os.getpid()
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    steps = [(signal.SIGKILL, 10.0)] if grace_s is None else [(signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)]
+    for sig, wait_s in steps:
         others = [pid for pid in group_members(me) if pid != me]
         for pid in others:
             with contextlib.suppress(ProcessLookupError):
@@ -104,7 +107,10 @@ def main(argv: list[str]) -> int:
         time.sleep(_POLL_S)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    _take_down_group(child.pid, status, grace_s)
+    # An orphaned command has nobody to shut down cleanly for: kill it at once, so no server outlives a
+    # SIGKILLed parent by more than the poll interval. A requested stop gets the grace period.
+    orphaned = os.getppid() != parent
+    _take_down_group(child.pid, status, None if orphaned else grace_s)
     return status.get("code", 0)
 
 

@@ -104,7 +104,9 @@ class VllmServer:
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             cause = f"; server log: {self.root_cause()}" if exc.code >= 500 else ""
-            raise ServerError(f"vLLM {path} answered {exc.code}: {detail}{cause}") from None
+            raise ServerError(
+                f"vLLM {path} answered {exc.code}: {detail}{cause} (log: {self.process.log_path})"
+            ) from None
         try:
             return json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError:  # some endpoints (LoRA loading) answer in plain text

@@ -15,6 +15,17 @@ class ArchitectureStage(Stage):
 
     def run(self, ctx: CheckContext) -> StageResult:
         layout = ctx.layout
+        archs = getattr(ctx.config, "architectures", None)
+        if not archs:
+            return self.failed(
+                f'config.json names no architectures; add the class, e.g. ["{ctx.spec.architectures[0]}"]'
+            )
+        model_type = getattr(ctx.config, "model_type", None)
+        if model_type not in ctx.spec.model_types:
+            return self.failed(
+                f"model_type {model_type!r} contradicts {archs[0]}, whose handler {ctx.spec.name} declares "
+                f"{', '.join(ctx.spec.model_types)}; fix config.json"
+            )
         problems = layout_problems(ctx.spec, layout)
         model = build_meta_model(ctx.config)
         missing = missing_targets(ctx.spec, model)

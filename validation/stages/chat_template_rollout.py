@@ -37,11 +37,10 @@ class ChatTemplateRolloutStage(Stage):
 
     def run(self, ctx: CheckContext) -> StageResult:
         import torch
-        from transformers import AutoTokenizer
 
         from model_support.core.serving import session
 
-        tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
+        tokenizer = ctx.tokenizer()
         if not tokenizer.chat_template:
             return self.skipped(f"the tokenizer in {ctx.model_dir} has no chat template")
         local = _ids(tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True))

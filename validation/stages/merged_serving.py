@@ -10,6 +10,7 @@ float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the tol
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from model_support.core.serving.errors import ServingError
@@ -18,8 +19,20 @@ from model_support.validation.stage import Requirement, Stage, StageResult
 
 # max |log p_vllm - log p_transformers| over prompt tokens, by serving dtype.
 LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
-# Errors that mean the runtime itself is broken (a failure everywhere), not that the CPU build lacks a kernel.
-_BROKEN_RUNTIME = ("ModuleNotFoundError", "ImportError", "PackageNotFoundError")
+# vLLM's own words for "this build cannot run this", each named. Any other serving error is a failure.
+# An architecture vLLM's model registry lacks (any build):
+_UNSUPPORTED_ARCH = re.compile(r"Model architectures \[.*\] are not supported")
+# The CPU build's known gaps (docs/serving.md):
+_CPU_BUILD_GAPS = (
+    (
+        "its GDN kernel rejects this head size",
+        re.compile(r"expect head_dim to be multiples of|Unexpected head dim size"),
+    ),
+    (
+        "fused-MoE LoRA needs Triton, which has no CPU backend",
+        re.compile(r"module 'triton\.language' has no attribute"),
+    ),
+)
 
 
 def logprob_tolerance(dtype: str) -> float:
@@ -27,16 +40,24 @@ def logprob_tolerance(dtype: str) -> float:
 
 
 def cannot_serve(stage: Stage, ctx: CheckContext, exc: ServingError) -> StageResult:
-    """A server that cannot run the model: a skip on the CPU build (with vLLM's own words), a failure on GPUs."""
+    """A serving error: a skip only where vLLM itself says the build cannot run the model or feature (an
+    architecture its registry lacks, a named gap of the CPU build); any other error fails the stage with
+    vLLM's own error line and the path of its log."""
     from model_support.core.serving.runtime import load_runtime
 
     runtime = load_runtime()
-    arch = ctx.config.architectures[0]
-    if runtime.flavor == "cpu" and not any(broken in str(exc) for broken in _BROKEN_RUNTIME):
-        return stage.skipped(
-            f"the CPU vLLM build ({runtime.distribution} {runtime.vllm_version}) cannot run {arch}: {exc}"
-        )
-    return stage.failed(f"vLLM {runtime.vllm_version} cannot serve {arch}: {exc}")
+    arch = (getattr(ctx.config, "architectures", None) or ["the model"])[0]
+    text = str(exc)
+    if _UNSUPPORTED_ARCH.search(text):
+        return stage.skipped(f"vLLM {runtime.vllm_version} has no implementation of {arch}: {text}")
+    if runtime.flavor == "cpu":
+        for gap, pattern in _CPU_BUILD_GAPS:
+            if pattern.search(text):
+                return stage.skipped(
+                    f"the CPU vLLM build ({runtime.distribution} {runtime.vllm_version}) cannot run {arch}: {gap} "
+                    f"({text})"
+                )
+    return stage.failed(f"vLLM {runtime.vllm_version} failed serving {arch}: {text}")
 
 
 class MergedServingStage(Stage):

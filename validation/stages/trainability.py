@@ -42,7 +42,6 @@ class TrainabilityStage(Stage):
     max_steps, warmup_steps, clip_norm = 40, 5, 1.0
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from transformers import AutoTokenizer
 
         from model_support.core.layout import text_config
         from model_support.core.megatron.forward import logits
@@ -55,8 +54,11 @@ class TrainabilityStage(Stage):
         for module in lora_modules(model).values():
             torch.nn.init.kaiming_uniform_(module.lora_A.weight, a=5**0.5)
             torch.nn.init.zeros_(module.lora_B.weight)
-        tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
-        answers = {a: tokenizer.encode(a, add_special_tokens=False)[0] for a in ("yes", "no")}
+        tokenizer = ctx.tokenizer()
+        encoded_answers = {a: tokenizer.encode(a, add_special_tokens=False) for a in ("yes", "no")}
+        if not all(encoded_answers.values()):
+            return self.failed("the tokenizer encodes 'yes' or 'no' to no token")
+        answers = {a: ids[0] for a, ids in encoded_answers.items()}
         if answers["yes"] == answers["no"]:
             return self.failed("the tokenizer gives 'yes' and 'no' the same first token")
         prompts = [
