@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+MEGATRON_STAGES = ("weights", "hf_parity", "lora_coverage", "packed_position_ids", "trainability")
 # The numbers each stage's row shows.
 KEY_METRICS = {
+    "weights": ("tensors", "nonfinite_tensors", "zero_matrices"),
     "hf_parity": (
         "rel_l2",
         "reference_bfloat16_rel_l2",
