@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from model_support.core.discovery import ModelSource, load_config, locate, resolve_handler
@@ -118,7 +119,7 @@ def show(
     console.print(f"vLLM LoRA: {status} ({spec.vllm_lora.reason})")
     for dep in spec.dependencies:
         extra = f" [extra {dep.extra}]" if dep.extra else ""
-        console.print(f"requires {dep.package} >= {dep.minimum}{extra}: {dep.reason}")
+        console.print(escape(f"requires {dep.package} >= {dep.minimum}{extra}: {dep.reason}"))
     console.print(f"runtime: {dataclasses.asdict(spec.runtime)}")
     if spec.reference_config:
         console.print(f"reference config: {spec.reference_config}")

@@ -30,6 +30,7 @@ def test_show_by_handler_or_architecture():
     assert data["plugin"]["distribution"] == "model-support"
     text = run_cli("show", "qwen3")
     assert "LoRA targets" in text.stdout and "linear_qkv" in text.stdout
+    assert "megatron-core >= 0.19.2 [extra megatron]" in text.stdout  # not swallowed as rich markup
 
 
 def test_show_unknown_is_one_line_error():

@@ -247,3 +247,18 @@ def test_a_process_lifetime_host_peak_is_marked(ctx):
     assert f"| {idle.peak_host_mib:.0f} MiB* |" in markdown
     assert "\\* host peak of the whole process so far" in markdown
     assert json.loads(to_json(report))["results"][0]["peak_host_lifetime"] is True
+
+
+class QuotesPackages(Stage):
+    name = "quotes_packages"
+    title = "Skips with an install hint in square brackets."
+    order = 1
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        return self.skipped("megatron-core is not installed (pip install 'model-support[megatron]')")
+
+
+def test_terminal_report_prints_summaries_as_written(ctx: CheckContext) -> None:
+    """A summary is text, not rich markup: an extra in square brackets is shown, not swallowed."""
+    report = run_checks(ctx, [QuotesPackages])
+    assert "pip install 'model-support[megatron]'" in terminal_text(report)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from model_support.validation.runner import Report
@@ -66,7 +67,8 @@ def render_terminal(report: Report, console: Console) -> None:
     table.add_column("host peak", justify="right")
     table.add_column("result")
     for r in report.results:
-        text = r.summary + (f"\n[dim]{metrics_line(r)}[/dim]" if r.metrics else "")
+        # Summaries quote packages and vLLM's words ("model-support[megatron]"): never read them as markup.
+        text = escape(r.summary) + (f"\n[dim]{escape(metrics_line(r))}[/dim]" if r.metrics else "")
         memory = [_gpu_cell(r)] if show_gpu else []
         table.add_row(
             r.stage, f"[{_STYLE[r.status]}]{r.status}[/]", f"{r.duration_s:.1f}s", *memory, _host_cell(r), text
