@@ -269,10 +269,13 @@ def save_peft_adapter(
     *,
     rank: int,
     alpha: float,
-    target_modules: list[str],
     base_model: str = "",
 ) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's on-disk LoRA format)."""
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's on-disk LoRA format).
+
+    ``target_modules`` is derived from the tensors themselves (their leaf module names), so the config can
+    never list a module the adapter does not hold, nor miss one it does.
+    """
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,7 +289,7 @@ def save_peft_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "target_modules": sorted(set(target_modules)),
+        "target_modules": sorted({key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in tensors}),
         "modules_to_save": None,
     }
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

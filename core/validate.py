@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
+from model_support.core.errors import ModelSupportError
 from model_support.core.layout import ModelLayout
 from model_support.core.spec import HandlerSpec, LoraTarget, TargetScope, Topology
 
@@ -45,6 +47,35 @@ def missing_targets(spec: HandlerSpec, model: Any) -> list[str]:
     modules = {name for name, _ in model.named_modules()}
     params = {name for name, _ in model.named_parameters()}
     return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, params)]
+
+
+class TargetCoverageError(ModelSupportError):
+    """LoRA tensors (an adapter) leave a declared target without any module."""
+
+
+def uncovered_targets(spec: HandlerSpec, module_names: Iterable[str]) -> list[str]:
+    """Declared HF targets (``scope:name``) that none of ``module_names`` (full module paths, as in a
+    checkpoint's or an adapter's tensor names) addresses."""
+    modules = set(module_names)
+    return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, set())]
+
+
+def modules_under(scope: TargetScope, module_names: Iterable[str]) -> list[str]:
+    """The distinct leaf module names found under ``scope``'s parents (e.g. ``w1, w2, w3`` under ``experts.N``)."""
+    parents = "|".join(map(re.escape, SCOPE_PARENTS[scope]))
+    pattern = re.compile(rf"(^|\.)({parents})(\.\d+)?\.(\w+)$")
+    return sorted({m.group(4) for name in module_names if (m := pattern.search(name))})
+
+
+def checkpoint_modules(tensor_names: Iterable[str]) -> set[str]:
+    """Module paths of a checkpoint's (or adapter's) weight tensors: ``a.b.q_proj.weight`` -> ``a.b.q_proj``."""
+    out = set()
+    for name in tensor_names:
+        for suffix in (".lora_A.weight", ".lora_B.weight", ".weight"):
+            if name.endswith(suffix):
+                out.add(name[: -len(suffix)])
+                break
+    return out
 
 
 def layout_problems(spec: HandlerSpec, layout: ModelLayout) -> list[str]:

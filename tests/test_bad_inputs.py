@@ -334,3 +334,34 @@ def test_a_config_file_with_another_name_is_the_one_loaded(tmp_path: Path) -> No
     _write_config(tmp_path, {**QWEN3, "num_attention_heads": None}, "broken.json")
     with pytest.raises(ConfigError, match=r"cannot load .*broken\.json \(StrictDataclass"):
         load_config(locate(str(tmp_path / "broken.json")))
+
+
+def test_targets_the_checkpoint_does_not_name_fail_instead_of_passing(tiny_model_dir, tmp_path: Path) -> None:
+    """Before: experts named w1/w3/w2 on disk passed `architecture` (transformers' fused experts matched the
+    standard names) and the serving stages' adapter silently covered no expert."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3-moe", tmp_path)
+    path = model_dir / "model.safetensors"
+    renames = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    tensors = {
+        re.sub(r"(experts\.\d+\.)(\w+)", lambda m: m.group(1) + renames.get(m.group(2), m.group(2)), key): value
+        for key, value in load_file(str(path)).items()
+    }
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    report = tmp_path / "r.json"
+    result = run_cli("check", str(model_dir), "-s", "architecture", "-s", "merged_serving", "--json", str(report))
+    assert result.returncode == 1, result.stderr
+    results = {r["stage"]: r for r in json.loads(report.read_text())["results"]}
+    arch = results["architecture"]
+    assert arch["status"] == "fail"
+    assert (
+        "the checkpoint names no module for expert:gate_proj, expert:up_proj, expert:down_proj "
+        "(found under those scopes: expert: w1, w2, w3)"
+    ) in arch["summary"]
+    serving = results["merged_serving"]
+    if serving["status"] != "skip":  # skipped only where no vLLM runtime is installed
+        assert serving["status"] == "fail"
+        assert "covers no module for expert:gate_proj, expert:up_proj, expert:down_proj" in serving["summary"]

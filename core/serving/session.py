@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from model_support.core.codecs import save_peft_adapter
+from model_support.core.codecs import load_peft_adapter, save_peft_adapter
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
 from model_support.core.serving.export import base_tensors, export_merged
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.serving.vllm_backend import ServeOptions
+from model_support.core.validate import TargetCoverageError, checkpoint_modules, uncovered_targets
 from model_support.validation.context import CheckContext
 
 MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (core.megatron.session.ADAPTER_KEY)
@@ -67,25 +68,27 @@ def random_adapter(model_dir: Path, target_modules: tuple[str, ...], out_dir: Pa
             torch.randn(LORA_RANK, in_features, generator=gen) / in_features**0.5
         )
         tensors[f"base_model.model.{module}.lora_B.weight"] = 0.05 * torch.randn(out_features, LORA_RANK, generator=gen)
-    return save_peft_adapter(
-        out_dir,
-        tensors,
-        rank=LORA_RANK,
-        alpha=LORA_ALPHA,
-        target_modules=list(target_modules),
-        base_model=str(model_dir),
-    )
+    return save_peft_adapter(out_dir, tensors, rank=LORA_RANK, alpha=LORA_ALPHA, base_model=str(model_dir))
 
 
 def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
-    """(adapter dir, where it came from)."""
+    """(adapter dir, where it came from); an adapter that leaves a declared target uncovered is an error."""
     trained = ctx.artifacts.get(MEGATRON_ADAPTER_KEY)
     if trained is not None:
-        return Path(trained), "written by the Megatron trainer (lora_coverage)"
-    if ADAPTER_KEY not in ctx.artifacts:
-        out = serving_workdir(ctx) / "random-adapter"
-        ctx.artifacts[ADAPTER_KEY] = random_adapter(ctx.model_dir, ctx.spec.hf_target_modules, out, ctx.seed + 7)
-    return ctx.artifacts[ADAPTER_KEY], f"random PEFT adapter (rank {LORA_RANK}, seed {ctx.seed + 7})"
+        adapter, origin = Path(trained), "written by the Megatron trainer (lora_coverage)"
+    else:
+        if ADAPTER_KEY not in ctx.artifacts:
+            out = serving_workdir(ctx) / "random-adapter"
+            ctx.artifacts[ADAPTER_KEY] = random_adapter(ctx.model_dir, ctx.spec.hf_target_modules, out, ctx.seed + 7)
+        adapter, origin = ctx.artifacts[ADAPTER_KEY], f"random PEFT adapter (rank {LORA_RANK}, seed {ctx.seed + 7})"
+    _, tensors = load_peft_adapter(adapter)
+    uncovered = uncovered_targets(ctx.spec, checkpoint_modules(tensors))
+    if uncovered:
+        raise TargetCoverageError(
+            f"the policy adapter ({origin}) covers no module for {', '.join(uncovered)}: the checkpoint does not "
+            "name those targets as the handler declares them (see the architecture stage)"
+        )
+    return adapter, origin
 
 
 def merged_export(ctx: CheckContext) -> Path:

@@ -49,9 +49,11 @@ def test_qwen35_names_and_exact_inverse(qwen35, tmp_path) -> None:
     rows = {k.rsplit(".", 3)[-3]: v.shape[0] for k, v in peft.items() if k.endswith("lora_B.weight")}
     assert rows["in_proj_qkv"] == 1280 and rows["in_proj_z"] == 768 and rows["in_proj_b"] == 6
     assert rows["q_proj"] == 256 and rows["k_proj"] == 128 and rows["gate_proj"] == 128
-    save_peft_adapter(tmp_path, peft, rank=3, alpha=6, target_modules=["q_proj"])
+    save_peft_adapter(tmp_path, peft, rank=3, alpha=6)
     adapter_config, on_disk = load_peft_adapter(tmp_path)
     assert adapter_config["r"] == 3 and adapter_config["peft_type"] == "LORA"
+    # adapter_config.json lists exactly the modules whose tensors the adapter holds.
+    assert adapter_config["target_modules"] == sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in peft})
     back = codec.from_peft(on_disk, config, layout)
     assert set(back) == set(lora)
     assert all(torch.equal(back[k], lora[k]) for k in lora)

@@ -12,6 +12,7 @@ from model_support.core.layout import ModelLayout
 # LOGIT_TOLERANCES and LOWP_TOLERANCE_FACTOR are re-exported so docs/stages.md lists them for this stage.
 from model_support.core.megatron.compare import EFFECT_FLOOR, LOGIT_TOLERANCES, LOWP_TOLERANCE_FACTOR
 from model_support.core.spec import HandlerSpec, TargetScope
+from model_support.core.validate import checkpoint_modules, uncovered_targets
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
@@ -60,6 +61,7 @@ class LoraCoverageStage(Stage):
         "trainable_base_params": 0,
         "codec_layout_err": 0.0,
         "roundtrip_mismatches": 0,
+        "adapter_uncovered_targets": 0,
     }
     batch, seq_len = 2, 32
     expert_tokens = 4  # tokens fed to each expert the router sent none to
@@ -118,14 +120,10 @@ class LoraCoverageStage(Stage):
 
         adapter_dir = ctx.workdir / "megatron-lora-adapter"
         peft = codec.to_peft(lora_state(model), ctx.config, layout)
-        save_peft_adapter(
-            adapter_dir,
-            peft,
-            rank=LORA_RANK,
-            alpha=LORA_ALPHA,
-            target_modules=list(spec.hf_target_modules),
-            base_model=str(ctx.model_dir),
-        )
+        uncovered = uncovered_targets(spec, checkpoint_modules(peft))
+        if uncovered:
+            details.append(f"the exported adapter has no module for {', '.join(uncovered)}")
+        save_peft_adapter(adapter_dir, peft, rank=LORA_RANK, alpha=LORA_ALPHA, base_model=str(ctx.model_dir))
         ctx.artifacts[ADAPTER_KEY] = adapter_dir
         _, on_disk = load_peft_adapter(adapter_dir)
         back = codec.from_peft(on_disk, ctx.config, layout)
@@ -152,6 +150,7 @@ class LoraCoverageStage(Stage):
             "codec_layout_err": layout_err,
             "peft_tensors": len(peft),
             "roundtrip_mismatches": mismatches,
+            "adapter_uncovered_targets": len(uncovered),
             "unrouted_experts_run_directly": unrouted,
             "dtype": built.numerics.dtype_name,
             **closeness(ours, ref.logits, prefix="adapter_logits_"),
