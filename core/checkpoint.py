@@ -20,6 +20,14 @@ class CheckpointError(ModelSupportError):
     """The checkpoint's weights cannot be read."""
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else every ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(model_dir.glob("*.safetensors"))
+
+
 class TextCheckpoint:
     """The language-model tensors of a safetensors checkpoint, under text-model names.
 
@@ -34,12 +42,7 @@ class TextCheckpoint:
 
         self.config = config
         self.source_dir = model_dir
-        index = model_dir / "model.safetensors.index.json"
-        files = (
-            sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-            if index.exists()
-            else sorted(model_dir.glob("*.safetensors"))
-        )
+        files = weight_files(model_dir)
         if not files:
             raise CheckpointError(f"no safetensors weights in {model_dir}")
         self._where: dict[str, tuple[Path, str]] = {}

@@ -122,6 +122,8 @@ class StreamedReference:
     """A transformers model that holds at most one decoder layer's weights at a time (see module docstring)."""
 
     def __init__(self, model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype = torch.float32):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
         from model_support.core.layout import text_config
 
         self.checkpoint = TextCheckpoint(Path(model_dir))
@@ -139,12 +141,13 @@ class StreamedReference:
             self._by_layer.setdefault(self.checkpoint.layer_of(name), []).append(name)
         self._raw_names = {self.checkpoint.raw_key(n): n for n in self.checkpoint.get_all_keys()}
         self._deltas: dict[str, LoraDelta] = {}
-        self._load(self._by_layer.get(None, []), self.model)
+        # transformers' checkpoint -> model renames and conversions (e.g. per-expert tensors fused), once.
+        self._conversions = get_model_conversion_mapping(self.model)
+        self._load(self._by_layer.get(None, []))
         self.model.tie_weights()
         self._check_loaded(self.model, exclude=self.layers, what="the embedding, final norm and LM head")
 
-    def _load(self, names: list[str], scope: torch.nn.Module) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
+    def _load(self, names: list[str]) -> None:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
         from transformers.utils import logging as hf_logging
@@ -154,9 +157,7 @@ class StreamedReference:
             delta = self._deltas.get(key)
             state[key] = tensor if delta is None else tensor.to(self.device, torch.float32) + delta.on(self.device)
         load = LoadStateDictConfig(
-            dtype=self.dtype,
-            weight_mapping=get_model_conversion_mapping(self.model),
-            device_map={"": str(self.device)},
+            dtype=self.dtype, weight_mapping=self._conversions, device_map={"": str(self.device)}
         )
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # one bar per decoder layer would flood the terminal
@@ -175,7 +176,7 @@ class StreamedReference:
             raise ReferenceError(f"the checkpoint does not fill {what}: {meta[:3]}")
 
     def _enter_layer(self, index: int) -> None:
-        self._load(self._by_layer.get(index, []), self.layers[index])
+        self._load(self._by_layer.get(index, []))
         self._check_loaded(self.layers[index], what=f"decoder layer {index}")
 
     @torch.no_grad()

@@ -186,10 +186,10 @@ class LoraCoverageStage(Stage):
             }
         )
         gen = torch.Generator().manual_seed(seed + 3)
+        hidden = model.config.hidden_size
         for name in experts:
             expert = modules[name]
             weight = next(p for p in expert.parameters() if not p.requires_grad)  # a frozen base weight
-            hidden = model.config.hidden_size
             x = torch.randn(self.expert_tokens, 1, hidden, generator=gen).to(weight.device, weight.dtype)
             out, _ = expert(x)
             out.float().square().sum().backward()

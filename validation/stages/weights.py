@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
+from model_support.core.checkpoint import weight_files
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-    return sorted(model_dir.glob("*.safetensors"))
 
 
 class WeightsStage(Stage):
@@ -34,7 +26,7 @@ class WeightsStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
         from safetensors import safe_open
 
-        files = _weight_files(ctx.model_dir)
+        files = weight_files(ctx.model_dir)
         if not files:
             return self.failed(f"no safetensors weights in {ctx.model_dir}")
         nonfinite: list[str] = []
