@@ -7,7 +7,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -22,6 +22,9 @@ from model_support.core.serving.cli import runtime_app
 from model_support.core.spec import HandlerSpec
 from model_support.plugins.new_handler import new_handler
 from model_support.plugins.reference_docs import docs
+
+if TYPE_CHECKING:
+    from model_support.validation.stage import StageResult
 
 app = typer.Typer(
     help="Support a Hugging Face model family in a Megatron + vLLM RL/LoRA stack, and prove it.",
@@ -53,6 +56,12 @@ def _registry(prefer: list[str] | None = None) -> Registry:
         names = ", ".join(c.label() for c in claimants)
         err.print(f"[yellow]warning:[/] architecture {arch} is claimed by {names} (use --prefer)")
     return registry
+
+
+def _print_progress(result: StageResult) -> None:
+    """One stderr line per finished stage, so a run cut off by a time limit still shows what it reached."""
+    line = f"  {result.stage}: {result.status} ({result.duration_s:.1f} s) {result.summary}"
+    err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def spec_to_dict(spec: HandlerSpec) -> dict[str, Any]:
@@ -236,7 +245,7 @@ def check(
             dtype=None if dtype is None else dtype.value,
         )
         err.print(f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}")
-        report = run_checks(ctx, stages_to_run, on_result=lambda r: err.print(f"  {r.stage}: {r.status}"))
+        report = run_checks(ctx, stages_to_run, on_result=_print_progress)
     finally:
         # A --workdir run keeps its files; a temporary one keeps them only when a stage failed (logs to read).
         keep = workdir is not None or (report is not None and report.exit_code != 0)

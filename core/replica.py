@@ -151,6 +151,34 @@ def _resolve_device(device: str) -> torch.device:
     return target
 
 
+def redraw_nonfinite(model: torch.nn.Module) -> list[str]:
+    """Redraw in fp32 the parameters that transformers' initialiser made non-finite in low precision.
+
+    Some init formulas overflow when drawn in bf16: Qwen3.5's Gated DeltaNet ``A_log = log(uniform(0, 16))``
+    draws an exact 0 (so -inf) about once in 500 values. A real checkpoint has no such value, and the
+    ``weights`` stage rightly fails one, so the owning module's own parameters are initialised again by
+    the model's ``_init_weights`` in fp32 and cast back. Returns the redrawn parameters' names.
+    """
+    import torch
+
+    redrawn = []
+    for name, param in list(model.named_parameters()):
+        if bool(torch.isfinite(param).all()):
+            continue
+        module = model.get_submodule(name.rpartition(".")[0])
+        own = list(module.parameters(recurse=False))
+        dtypes = [p.dtype for p in own]
+        for p in own:
+            p.data = p.data.float()
+        model._init_weights(module)  # transformers' own per-module init: the same distributions, in fp32
+        for p, dtype in zip(own, dtypes, strict=True):
+            p.data = p.data.to(dtype)
+        if not bool(torch.isfinite(param).all()):
+            raise ReplicaError(f"{name}: transformers' initialiser draws non-finite values even in fp32")
+        redrawn.append(name)
+    return redrawn
+
+
 def build_replica(
     raw_config: dict[str, Any],
     out_dir: Path,
@@ -190,6 +218,7 @@ def build_replica(
         try:
             with target:
                 model = model_cls(config)
+                redraw_nonfinite(model)
         finally:
             torch.set_default_dtype(default_dtype)
         parameters = sum(p.numel() for p in model.parameters())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -221,3 +222,41 @@ def test_moe_multimodal_replica_command_at_its_smallest_period(tmp_path):
     logits = model(input_ids=ids).logits
     assert logits.shape == (1, ids.shape[1], 248320)
     assert torch.isfinite(logits).all()
+
+
+def test_low_precision_init_that_draws_non_finite_values_is_redrawn_in_fp32():
+    """transformers' Qwen3.5 init draws GDN's A_log as log(uniform(0, 16)): in bf16 an exact 0 gives -inf."""
+    config = transformers.Qwen3_5TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layer_types=[LINEAR, FULL],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=512,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        vocab_size=128,
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        for seed in range(20):
+            torch.manual_seed(seed)
+            model = transformers.Qwen3_5ForCausalLM(config)
+            a_log = model.model.layers[0].linear_attn.A_log
+            if not bool(torch.isfinite(a_log).all()):
+                break
+        else:
+            pytest.fail("no seed drew a non-finite A_log in bf16: the planted fault is gone")
+        assert replica.redraw_nonfinite(model) == ["model.layers.0.linear_attn.A_log"]
+    finally:
+        torch.set_default_dtype(default)
+    assert a_log.dtype == torch.bfloat16
+    assert bool(torch.isfinite(a_log).all())
+    # Still transformers' distribution, log(uniform(0, 16)): at most log 16, with spread.
+    assert float(a_log.detach().max()) <= math.log(16) + 1e-2
+    assert float(a_log.detach().float().std()) > 0.5
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
