@@ -147,14 +147,26 @@ def run_checks(
         environment=environment(),
     )
     done: dict[str, StageResult] = {}
-    for stage_cls in stages:
-        with MemoryProbe() as memory:
-            start = time.perf_counter()
-            result = _run_one(stage_cls(), ctx, done)
-            result.duration_s = time.perf_counter() - start
-        memory.record(result)
-        done[stage_cls.name] = result
-        report.results.append(result)
-        if on_result is not None:
-            on_result(result)
+    try:
+        for stage_cls in stages:
+            with MemoryProbe() as memory:
+                start = time.perf_counter()
+                result = _run_one(stage_cls(), ctx, done)
+                result.duration_s = time.perf_counter() - start
+            memory.record(result)
+            done[stage_cls.name] = result
+            report.results.append(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        _stop_servers(ctx)
     return report
+
+
+def _stop_servers(ctx: CheckContext) -> None:
+    """Stop the servers the stages started: a run owns them (an in-process run must not leave them behind)."""
+    from model_support.core.serving.backend import Server
+
+    for value in ctx.artifacts.values():
+        if isinstance(value, Server):
+            value.stop()

@@ -7,19 +7,26 @@ import os
 import torch
 import torch.distributed as dist
 
+from model_support.core.errors import ModelSupportError
+
+
+class ParallelLayoutError(ModelSupportError):
+    """The requested parallel layout does not fit the world or the caller's initialised groups."""
+
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def init_parallel(tensor_parallel: int = 1) -> None:
-    """Initialise the process group (once) and Megatron's model-parallel groups for ``tensor_parallel``.
+    """Join (or, when nothing is initialised, set up) torch.distributed and Megatron's model-parallel groups.
 
-    Under a launcher (torchrun) the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are
-    used. A world of one (no launcher) needs no rendezvous: it gets an in-process store, so it binds no
-    port and leaves nothing in the environment for child processes to inherit (a child that reused a
-    parent's MASTER_PORT would fail with EADDRINUSE). Calling again with another tensor-parallel size
-    rebuilds the Megatron groups.
+    A caller that already initialised torch.distributed and megatron-core's parallel state (a trainer) keeps its
+    groups: they are used as they are, never torn down, and a ``tensor_parallel`` that disagrees with them is an
+    error. Otherwise, under a launcher (torchrun) the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables
+    are used. A world of one (no launcher) needs no rendezvous: it gets an in-process store, so it binds no port
+    and leaves nothing in the environment for child processes to inherit (a child that reused a parent's
+    MASTER_PORT would fail with EADDRINUSE).
     """
     from megatron.core import parallel_state
 
@@ -34,11 +41,17 @@ def init_parallel(tensor_parallel: int = 1) -> None:
         else:
             dist.init_process_group(backend, rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
-            return
-        parallel_state.destroy_model_parallel()
+        existing = parallel_state.get_tensor_model_parallel_world_size()
+        if existing != tensor_parallel:
+            raise ParallelLayoutError(
+                f"megatron-core's parallel state is initialised with tensor parallel {existing}, the model asks for "
+                f"{tensor_parallel}: build it with tensor_parallel={existing} (the caller's groups are kept)"
+            )
+        return
     if dist.get_world_size() % tensor_parallel:
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor parallel {tensor_parallel}")
+        raise ParallelLayoutError(
+            f"world size {dist.get_world_size()} is not a multiple of tensor parallel {tensor_parallel}"
+        )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
     from megatron.core import tensor_parallel as mtp
 

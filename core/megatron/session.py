@@ -2,8 +2,8 @@
 
 Artifact keys:
 
-* ``megatron_model`` (:class:`~model_support.core.megatron.builder.MegatronModel`): the bridge-built model,
-  converted once per run (tensor parallel 1);
+* ``megatron_model`` (:class:`~model_support.core.api.TrainingModel`): the bridge-built model, converted once
+  per run (tensor parallel 1) by the training-time API;
 * ``megatron_lora`` (:class:`~model_support.core.megatron.lora.LoraReport`): LoRA applied in place on it;
 * ``peft_adapter_dir`` (Path): the PEFT adapter exported by ``lora_coverage`` from the Megatron LoRA;
 * ``reference_lowp_error`` (dict or None): how far transformers' own run in the model's dtype lands from its
@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
-from model_support.core.megatron.builder import MegatronModel, build_megatron_model, choose_numerics
+from model_support.core import api
+from model_support.core.api import TrainingModel
+from model_support.core.megatron.builder import MegatronModel
 from model_support.core.megatron.dist import device
 from model_support.core.megatron.hf_reference import StreamedReference
-from model_support.core.megatron.lora import LoraReport, apply_lora
+from model_support.core.megatron.lora import LoraReport
 
 MODEL_KEY = "megatron_model"
 LORA_KEY = "megatron_lora"
@@ -34,18 +36,22 @@ LORA_RANK = 8
 LORA_ALPHA = 16.0
 
 
-def megatron_model(ctx: Any) -> MegatronModel:
-    """The run's Megatron model, built on first use (``build_s`` records the conversion time)."""
+def training_model(ctx: Any) -> TrainingModel:
+    """The run's model, built on first use through :func:`model_support.core.api.build_model` (``build_s`` records
+    the conversion time), in the dtype ``check --dtype`` asks for (default: the device's)."""
     if MODEL_KEY not in ctx.artifacts:
         start = time.perf_counter()
-        mtp = bool(ctx.layout.mtp_layers) and not ctx.spec.runtime.disable_mtp_for_training
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[ctx.dtype]
-        numerics = choose_numerics(ctx.spec.runtime.gdn_backend, dtype=dtype)
-        built = build_megatron_model(ctx.model_dir, ctx.config, mtp=mtp, numerics=numerics)
-        built.model.eval()
-        ctx.artifacts[MODEL_KEY] = built
+        model = api.build_model(ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype)
+        model.module.eval()
+        ctx.artifacts[MODEL_KEY] = model
         ctx.artifacts["megatron_build_s"] = time.perf_counter() - start
     return ctx.artifacts[MODEL_KEY]
+
+
+def megatron_model(ctx: Any) -> MegatronModel:
+    """The bridge-built megatron-core model of the run (:func:`training_model`'s ``built``)."""
+    return training_model(ctx).built
 
 
 def hf_reference(ctx: Any, dtype: torch.dtype = torch.float32) -> StreamedReference:
@@ -57,10 +63,9 @@ def hf_reference(ctx: Any, dtype: torch.dtype = torch.float32) -> StreamedRefere
 
 
 def megatron_lora(ctx: Any) -> LoraReport:
-    """LoRA on every declared target of the run's Megatron model (applied once)."""
-    if LORA_KEY not in ctx.artifacts:
-        ctx.artifacts[LORA_KEY] = apply_lora(megatron_model(ctx).model, ctx.spec, rank=LORA_RANK, alpha=LORA_ALPHA)
-    return ctx.artifacts[LORA_KEY]
+    """LoRA on every declared target of the run's Megatron model (applied once, through the API)."""
+    model = training_model(ctx)
+    return model.lora or api.apply_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA)
 
 
 def random_tokens(ctx: Any, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:

@@ -6,10 +6,14 @@ A plugin adds an engine (SGLang, Megatron Inference, ...) by returning objects w
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from model_support.core.serving.errors import ServingError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @runtime_checkable
@@ -23,13 +27,21 @@ class Server(Protocol):
 
     def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]: ...
 
+    def choices(self, prompt: list[int], *, model: str | None = None, **params: Any) -> list[dict[str, Any]]: ...
+
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]: ...
 
     def models(self) -> list[str]: ...
 
     def load_lora(self, name: str, path: Path) -> None: ...
 
+    def unload_lora(self, name: str) -> None: ...
+
     def reload_weights(self, weights_dir: Path) -> None: ...
+
+    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
+        """Apply one step of HF-named weight buckets in place once the last has arrived; returns the new name."""
+        ...
 
     def rename(self, name: str) -> None: ...
 

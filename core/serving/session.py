@@ -1,11 +1,16 @@
-"""What the serving stages of one ``check`` run share: the policy adapter, its merged export, the server.
+"""What the serving stages of one ``check`` run share: one server, the policy adapter, and the weights it serves.
 
-The *policy* is base + one LoRA adapter: the adapter the Megatron trainer wrote in the ``lora_coverage`` stage
-when that ran (``ctx.artifacts["peft_adapter_dir"]``), else a seeded random PEFT adapter over the handler's HF
-target modules. The trainer-side reference is the fp32 transformers model with that adapter merged
-(:class:`model_support.core.megatron.hf_reference.StreamedReference`, one decoder layer in memory at a time).
-One server per run serves the merged export; it is started once and
-reused by the later stages, and reaped when the run's process exits.
+One vLLM server per run is started on the *base* checkpoint as ``<handler>@0`` (LoRA enabled where the handler
+declares native LoRA and the build can run it), and every serving stage reuses it: ``native_vllm_lora`` loads
+the policy adapter into it while it serves the base weights; ``merged_serving`` then pushes the policy's merged
+weights in place from the Megatron model through the training-time API (``@1``); ``rl_trainability`` pushes
+each training step (``@2`` ...). ``ctx.artifacts[SERVED_KEY]`` records what the server holds, and a stage that
+needs other weights pushes them. The server is reaped when the run's process exits.
+
+The *policy* is base + one LoRA adapter: the adapter the Megatron trainer wrote in ``lora_coverage`` when that
+ran (``ctx.artifacts["peft_adapter_dir"]``), else a seeded random LoRA on the Megatron model exported through
+the API. Trainer-side log-probabilities come from the Megatron model carrying that adapter; transformers (fp32,
+adapter merged, streamed one decoder layer at a time) is the second reference.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from typing import Any
 
 import torch
 
-from model_support.core.codecs import load_peft_adapter, save_peft_adapter
+from model_support.core import api
+from model_support.core.codecs import load_peft_adapter
+from model_support.core.megatron.session import LORA_RANK, megatron_lora, training_model
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
-from model_support.core.serving.export import base_tensors, export_merged
+from model_support.core.serving.export import base_tensors, buckets
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.core.validate import TargetCoverageError, checkpoint_modules, uncovered_targets
@@ -25,9 +32,11 @@ from model_support.validation.context import CheckContext
 
 MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (core.megatron.session.ADAPTER_KEY)
 ADAPTER_KEY = "serving.adapter_dir"
-MERGED_KEY = "serving.merged_dir"
 SERVER_KEY = "serving.server"
-LORA_RANK, LORA_ALPHA = 8, 16.0
+SERVED_KEY = "serving.served"  # "base", "policy" or "rl": the weights the server holds now
+# The CPU build runs routed experts' LoRA through a Triton kernel it has no backend for, and fails on the first
+# request (docs/serving.md): an MoE model's shared server is started without LoRA there.
+CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
 
 
 def backend() -> ServingBackend:
@@ -38,6 +47,13 @@ def serving_workdir(ctx: CheckContext) -> Path:
     path = ctx.workdir / "serving"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def lora_gap(ctx: CheckContext) -> str | None:
+    """Why this build cannot serve the handler's adapter natively (``None``: it can, as far as is known)."""
+    if ctx.layout.moe is not None and load_runtime().flavor == "cpu":
+        return CPU_MOE_LORA_GAP
+    return None
 
 
 def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptions:
@@ -55,20 +71,29 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
     )
 
 
-def random_adapter(model_dir: Path, target_modules: tuple[str, ...], out_dir: Path, seed: int) -> Path:
-    """A PEFT LoRA adapter with random A and B on every 2-D checkpoint weight whose module is a target."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, weight in base_tensors(model_dir):
-        module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or weight.ndim != 2 or module.rpartition(".")[2] not in target_modules:
-            continue
-        out_features, in_features = weight.shape
-        tensors[f"base_model.model.{module}.lora_A.weight"] = (
-            torch.randn(LORA_RANK, in_features, generator=gen) / in_features**0.5
+def server(ctx: CheckContext) -> Server:
+    """The run's one server on the base checkpoint, ``<handler>@0`` (started on first use)."""
+    found = ctx.artifacts.get(SERVER_KEY)
+    if found is None:
+        lora = ctx.spec.vllm_lora.native and lora_gap(ctx) is None
+        found = backend().serve(
+            ctx.model_dir,
+            f"{ctx.spec.name}@0",
+            serve_options(ctx, enable_lora=lora),
+            serving_workdir(ctx) / "vllm.log",
         )
-        tensors[f"base_model.model.{module}.lora_B.weight"] = 0.05 * torch.randn(out_features, LORA_RANK, generator=gen)
-    return save_peft_adapter(out_dir, tensors, rank=LORA_RANK, alpha=LORA_ALPHA, base_model=str(model_dir))
+        ctx.artifacts[SERVER_KEY] = found
+        ctx.artifacts[SERVED_KEY] = "base"
+    return found
+
+
+def serve_base(ctx: CheckContext) -> Server:
+    """The run's server holding the checkpoint's own weights (pushed back in place if it holds others)."""
+    running = server(ctx)
+    if ctx.artifacts[SERVED_KEY] != "base":
+        running.update_weights(buckets(base_tensors(ctx.model_dir), api.DEFAULT_BUCKET_BYTES))
+        ctx.artifacts[SERVED_KEY] = "base"
+    return running
 
 
 def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
@@ -77,10 +102,15 @@ def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
     if trained is not None:
         adapter, origin = Path(trained), "written by the Megatron trainer (lora_coverage)"
     else:
+        seed = ctx.seed + 7
         if ADAPTER_KEY not in ctx.artifacts:
-            out = serving_workdir(ctx) / "random-adapter"
-            ctx.artifacts[ADAPTER_KEY] = random_adapter(ctx.model_dir, ctx.spec.hf_target_modules, out, ctx.seed + 7)
-        adapter, origin = ctx.artifacts[ADAPTER_KEY], f"random PEFT adapter (rank {LORA_RANK}, seed {ctx.seed + 7})"
+            from model_support.core.megatron.lora import load_lora_state, random_lora_state
+
+            model = training_model(ctx)
+            megatron_lora(ctx)
+            load_lora_state(model.module, random_lora_state(model.module, seed=seed, b_std=0.05))
+            ctx.artifacts[ADAPTER_KEY] = api.export_adapter(model, serving_workdir(ctx) / "random-adapter")
+        adapter, origin = ctx.artifacts[ADAPTER_KEY], f"random Megatron LoRA exported through the API (seed {seed})"
     _, tensors = load_peft_adapter(adapter)
     uncovered = uncovered_targets(ctx.spec, checkpoint_modules(tensors))
     if uncovered:
@@ -91,22 +121,29 @@ def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
     return adapter, origin
 
 
-def merged_export(ctx: CheckContext) -> Path:
-    if MERGED_KEY not in ctx.artifacts:
-        adapter, _ = policy_adapter(ctx)
-        ctx.artifacts[MERGED_KEY] = export_merged(ctx.model_dir, adapter, serving_workdir(ctx) / "merged-step-0")
-    return ctx.artifacts[MERGED_KEY]
+def policy_model(ctx: CheckContext) -> api.TrainingModel:
+    """The run's Megatron model carrying the policy adapter (loaded through the API)."""
+    adapter, _ = policy_adapter(ctx)
+    model = training_model(ctx)
+    megatron_lora(ctx)
+    api.load_adapter(model, adapter)
+    return model
 
 
-def policy_server(ctx: CheckContext) -> Server:
-    """The run's server on the merged export, served as ``<handler>@0`` (started on first use)."""
-    server = ctx.artifacts.get(SERVER_KEY)
-    if server is None:
-        server = backend().serve(
-            merged_export(ctx), f"{ctx.spec.name}@0", serve_options(ctx), serving_workdir(ctx) / "vllm-policy.log"
-        )
-        ctx.artifacts[SERVER_KEY] = server
-    return server
+def serve_policy(ctx: CheckContext) -> Server:
+    """The run's server holding the policy: its merged weights pushed in place from the Megatron model."""
+    running = server(ctx)
+    if ctx.artifacts[SERVED_KEY] != "policy":
+        api.push_weights(running, policy_model(ctx))
+        ctx.artifacts[SERVED_KEY] = "policy"
+    return running
+
+
+def megatron_logprobs(ctx: CheckContext, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Per-position log-softmax of the Megatron policy (base + adapter) for each sequence, float64 on the CPU."""
+    model = policy_model(ctx)
+    with torch.no_grad():
+        return [rows.double().cpu() for rows in api.token_logprobs(model, sequences)]
 
 
 def trainer_logprobs(ctx: CheckContext, adapter: Path, sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -1,60 +1,70 @@
 """In-place weight updates of a live server, one step at a time: ``model@0`` -> ``model@1`` -> ...
 
-A step's weights arrive as buckets (each a dict of HF-named tensors, e.g. from :func:`export.buckets`). Each
-bucket is written to the step's staging checkpoint as it arrives; nothing reaches the server until the last
-bucket: then the checkpoint is published atomically, the server loads it in place (vLLM: worker
-``reload_weights`` through ``/collective_rpc``, same process) and the served model name advances. On CPU the
-weights travel through the local file system; vLLM's NCCL weight-transfer engine (``/init_weight_transfer_engine``,
-``/update_weights``) is the GPU path and is not driven here.
+A step's weights arrive as buckets (dicts of HF-named tensors, e.g. from
+:func:`model_support.core.api.merged_weights` or :func:`export.buckets`). Each bucket is written to the step's
+staging checkpoint as it arrives; nothing reaches the server until the last bucket: then the checkpoint is
+published atomically, the server loads it in place (vLLM: worker ``reload_weights`` through ``/collective_rpc``,
+same process) and the served model name advances. The previous step's checkpoint is removed once the new one
+is loaded, so the disk holds one step at a time.
+
+Transport: the local file system (the server reads the published checkpoint). It is what runs on CPU and what
+the tests exercise; vLLM's NCCL weight-transfer engine (``/init_weight_transfer_engine``, ``/update_weights``)
+is the GPU path and is not driven here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from model_support.core.serving.backend import Server
-from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import CheckpointWriter
+
+if TYPE_CHECKING:
+    from model_support.core.serving.backend import Server
 
 
 def served_name(model: str, step: int) -> str:
     return f"{model}@{step}"
 
 
+def parse_served_name(name: str) -> tuple[str, int]:
+    """``"qwen3@4"`` -> ``("qwen3", 4)``; a name without a step is step 0."""
+    model, sep, step = name.rpartition("@")
+    if sep and step.isdigit():
+        return model, int(step)
+    return name, 0
+
+
 class WeightUpdater:
-    """Pushes new weights to ``server`` in buckets; applies them once, after the last bucket of a step."""
+    """Applies whole steps of weights to ``server``; ``staging_root`` holds the step being written."""
 
-    def __init__(self, server: Server, model: str, staging_root: Path, support_from: Path, step: int = 0) -> None:
-        self.server, self.model, self.step = server, model, step
+    def __init__(self, server: Server, staging_root: Path, support_from: Path) -> None:
+        self.server = server
+        self.model, self.step = parse_served_name(server.served_name)
         self.staging_root, self.support_from = Path(staging_root), Path(support_from)
-        self._writer: CheckpointWriter | None = None
-        self._expected = 0
-        self._received = 0
+        self._loaded: Path | None = None
 
-    def begin(self, num_buckets: int) -> None:
-        if num_buckets < 1:
-            raise ServingError("a weight update needs at least one bucket")
-        if self._writer is not None:
-            raise ServingError(
-                f"update to step {self.step + 1} is still open ({self._received}/{self._expected} buckets)"
-            )
-        self._writer = CheckpointWriter(self.staging_root / f"step-{self.step + 1}", support_from=self.support_from)
-        self._expected, self._received = num_buckets, 0
+    def update(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
+        """Stage every bucket, then load the step in place and advance the name; returns the new served name.
 
-    def push(self, bucket: Mapping[str, torch.Tensor]) -> bool:
-        """Stage one bucket; returns True when it was the last one and the server now serves the new step."""
-        if self._writer is None:
-            raise ServingError("push() before begin()")
-        self._writer.write_shard(bucket)
-        self._received += 1
-        if self._received < self._expected:
-            return False
-        weights_dir = self._writer.commit()
-        self._writer = None
+        A failure while staging leaves the server untouched (same weights, same name) and nothing on disk.
+        """
+        writer = CheckpointWriter(self.staging_root / f"step-{self.step + 1}", support_from=self.support_from)
+        try:
+            for bucket in buckets:
+                writer.write_shard(bucket)
+            weights_dir = writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
         self.server.reload_weights(weights_dir)
         self.step += 1
         self.server.rename(served_name(self.model, self.step))
-        return True
+        if self._loaded is not None:
+            shutil.rmtree(self._loaded, ignore_errors=True)
+        self._loaded = weights_dir
+        return self.server.served_name

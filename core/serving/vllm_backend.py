@@ -15,13 +15,18 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from model_support.core.serving.errors import RuntimeMissingError, ServerError
 from model_support.core.serving.process import ManagedProcess
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
+from model_support.core.serving.update import WeightUpdater, parse_served_name
+
+if TYPE_CHECKING:
+    import torch
 
 EXT_DIR = Path(__file__).with_name("vllm_ext")
 _ROOT_CAUSE = re.compile(r"\b((?:[A-Za-z_.]+Error|AssertionError|NotImplementedError)(?::\s.*)?)$")
@@ -56,6 +61,7 @@ class VllmServer:
         self.process, self.port, self.served_name = process, port, served_name
         self.model_dir, self.options = model_dir, options
         self.base_url = f"http://127.0.0.1:{port}"
+        self._updater: WeightUpdater | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -114,8 +120,12 @@ class VllmServer:
 
     def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]:
         """``/v1/completions`` for one token-id prompt; returns the first choice (``prompt_logprobs`` included)."""
+        return self.choices(prompt, model=model, **params)[0]
+
+    def choices(self, prompt: list[int], *, model: str | None = None, **params: Any) -> list[dict[str, Any]]:
+        """Every choice of one ``/v1/completions`` request (``n`` samples of one prompt), in index order."""
         body = {"model": model or self.served_name, "prompt": prompt, "return_token_ids": True, **params}
-        return self.request("/v1/completions", body)["choices"][0]
+        return sorted(self.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
 
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
         body = {"model": self.served_name, "messages": messages, "return_token_ids": True, **params}
@@ -127,11 +137,22 @@ class VllmServer:
     def load_lora(self, name: str, path: Path) -> None:
         self.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
+    def unload_lora(self, name: str) -> None:
+        self.request("/v1/unload_lora_adapter", {"lora_name": name})
+
     def reload_weights(self, weights_dir: Path) -> None:
         """Load a complete checkpoint into the live model in place (vLLM's worker ``reload_weights``)."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         self.request("/collective_rpc", body)
         self.request("/reset_prefix_cache", {})
+
+    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
+        """Load one step of HF-named weights in place, after the last bucket; returns the new served name."""
+        if self._updater is None:
+            model, _ = parse_served_name(self.served_name)
+            staging = self.process.log_path.parent / f"{model}-weights"
+            self._updater = WeightUpdater(self, staging, support_from=self.model_dir)
+        return self._updater.update(buckets)
 
     def rename(self, name: str) -> None:
         """Serve the base model under ``name`` from now on (see ``vllm_ext/ms_vllm_ext.py``)."""

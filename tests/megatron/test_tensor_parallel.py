@@ -1,4 +1,4 @@
-"""Tensor parallel 2 (two gloo processes on CPU) exports the same PEFT adapter as tensor parallel 1."""
+"""Tensor parallel 2 (two gloo processes on CPU) exports the same PEFT adapter and merged HF weights as TP 1."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _run(model_dirs: dict[str, Path], out: Path, tp: int) -> dict[str, dict[str,
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {
-        h: {name: load_file(str(out / h / f"{name}.safetensors")) for name in ("logits", "before", "after")}
+        h: {name: load_file(str(out / h / f"{name}.safetensors")) for name in ("logits", "before", "after", "hf")}
         for h in model_dirs
     }
 
@@ -49,3 +49,8 @@ def test_tp2_exports_the_tp1_adapter(tiny_model_dir, tmp_path) -> None:
         moved = max((tp1["after"][k] - tp1["before"][k]).abs().max().item() for k in tp1["after"])
         err = max((tp1["after"][k] - tp2["after"][k]).abs().max().item() for k in tp1["after"])
         assert moved > 1e-2 > 1e-5 > err, (handler, moved, err)
+        # The merged weights streamed from the live model: LoRA shards merged per rank, gathered by the bridge.
+        assert set(tp1["hf"]) == set(tp2["hf"]) and len(tp1["hf"]) > 20, handler
+        assert all(tp1["hf"][k].dtype == tp2["hf"][k].dtype for k in tp1["hf"]), handler
+        merged_err = max((tp1["hf"][k] - tp2["hf"][k]).abs().max().item() for k in tp1["hf"])
+        assert merged_err < 1e-6, (handler, merged_err)

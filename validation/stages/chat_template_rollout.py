@@ -45,7 +45,7 @@ class ChatTemplateRolloutStage(Stage):
             return self.skipped(f"the tokenizer in {ctx.model_dir} has no chat template")
         local = _ids(tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True))
         try:
-            server = session.policy_server(ctx)
+            server = session.serve_policy(ctx)
             chat = server.chat(CONVERSATION, max_tokens=self.max_tokens, temperature=1.0, seed=ctx.seed, logprobs=True)
             tokenized = server.request(
                 "/tokenize", {"model": server.served_name, "messages": CONVERSATION, "add_generation_prompt": True}

@@ -72,23 +72,23 @@ class LoraCoverageStage(Stage):
         return None
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core.codecs import load_peft_adapter, save_peft_adapter
+        from model_support.core import api
+        from model_support.core.codecs import load_peft_adapter
         from model_support.core.megatron.compare import closeness, replayed_routing, tolerance_note, tolerances
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
         from model_support.core.megatron.session import (
             ADAPTER_KEY,
-            LORA_ALPHA,
-            LORA_RANK,
             hf_reference,
             megatron_lora,
             megatron_model,
             random_tokens,
             reference_lowp,
+            training_model,
         )
 
-        codec, spec, layout = ctx.spec.codec, ctx.spec, ctx.layout
+        spec, layout = ctx.spec, ctx.layout
         built = megatron_model(ctx)
         model = built.model
         layout_err = self._codec_layout_err(ctx, built)
@@ -118,15 +118,16 @@ class LoraCoverageStage(Stage):
         if zero_grad:
             details.append(f"no gradient: {', '.join(zero_grad[:4])}")
 
-        adapter_dir = ctx.workdir / "megatron-lora-adapter"
-        peft = codec.to_peft(lora_state(model), ctx.config, layout)
-        uncovered = uncovered_targets(spec, checkpoint_modules(peft))
-        if uncovered:
-            details.append(f"the exported adapter has no module for {', '.join(uncovered)}")
-        save_peft_adapter(adapter_dir, peft, rank=LORA_RANK, alpha=LORA_ALPHA, base_model=str(ctx.model_dir))
+        # The trainer's path: export through the API (the handler's codec), then load the file back into the model.
+        adapter_dir = api.export_adapter(training_model(ctx), ctx.workdir / "megatron-lora-adapter")
         ctx.artifacts[ADAPTER_KEY] = adapter_dir
         _, on_disk = load_peft_adapter(adapter_dir)
-        back = codec.from_peft(on_disk, ctx.config, layout)
+        uncovered = uncovered_targets(spec, checkpoint_modules(on_disk))
+        if uncovered:
+            details.append(f"the exported adapter has no module for {', '.join(uncovered)}")
+        load_lora_state(model, {k: torch.zeros_like(v) for k, v in state.items()})
+        api.load_adapter(training_model(ctx), adapter_dir)
+        back = lora_state(model)
         mismatches = len(set(back) ^ set(state)) + sum(
             1 for k in set(back) & set(state) if not torch.equal(back[k], state[k])
         )
@@ -148,7 +149,7 @@ class LoraCoverageStage(Stage):
             "zero_grad_params": len(zero_grad),
             "trainable_base_params": len(trainable_base),
             "codec_layout_err": layout_err,
-            "peft_tensors": len(peft),
+            "peft_tensors": len(on_disk),
             "roundtrip_mismatches": mismatches,
             "adapter_uncovered_targets": len(uncovered),
             "unrouted_experts_run_directly": unrouted,
@@ -158,7 +159,7 @@ class LoraCoverageStage(Stage):
             **{f"reference_{built.numerics.dtype_name}_{k}": v for k, v in (lowp or {}).items()},
         }
         details.append(
-            f"adapter written to {adapter_dir} ({len(peft)} tensors), merged into the fp32 transformers reference"
+            f"adapter written to {adapter_dir} ({len(on_disk)} tensors), merged into the fp32 transformers reference"
         )
         details.append(tolerance_note(dtype))
         if not effect >= EFFECT_FLOOR[dtype]:

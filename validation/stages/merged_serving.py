@@ -1,9 +1,10 @@
-"""Stage `merged_serving`: vLLM serving the merged export (base + LoRA, HF names) matches transformers + LoRA.
+"""Stage `merged_serving`: the policy's merged weights, pushed in place into vLLM, match transformers + LoRA.
 
-The policy adapter (Megatron's from ``lora_coverage`` when that ran, else a seeded random PEFT adapter) is
-merged into the checkpoint by the streaming exporter, a vLLM server is started on the export (``<handler>@0``,
-reused by the later serving stages), and the prompt log-probabilities of a few random prompts, plus the greedy
-next token, are compared with transformers carrying the same adapter. Tolerances: fp32 serving must agree to
+The policy adapter (Megatron's from ``lora_coverage`` when that ran, else a seeded random Megatron LoRA) is
+loaded into the Megatron model, whose merged weights (base + LoRA, HF names) are streamed into the run's server
+in place through the training-time API (``api.merged_weights`` -> ``Server.update_weights``: ``<handler>@0`` ->
+``@1``), as a trainer pushes them. The prompt log-probabilities of a few random prompts, plus the greedy next
+token, are compared with transformers carrying the same adapter. Tolerances: fp32 serving must agree to
 float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the tolerance is bf16's. The handler's
 ``vllm`` floors (``DependencyFloor(..., extra="serve")``) are held against the runtime's vLLM version.
 """
@@ -16,6 +17,7 @@ from typing import ClassVar
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Requirement, Stage, StageResult
+from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
 # max |log p_vllm - log p_transformers| over prompt tokens, by serving dtype.
 LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}
@@ -64,7 +66,7 @@ class MergedServingStage(Stage):
     name = "merged_serving"
     title = "vLLM serving the merged LoRA export matches transformers + the adapter (prompt and next-token logprobs)."
     order = 70
-    packages: ClassVar = (Requirement("peft", "peft", "dev"),)
+    packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
     prompts, prompt_len = 3, 24
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
@@ -86,10 +88,9 @@ class MergedServingStage(Stage):
                     f"run `model-support runtime install --version {floor.minimum}` or newer"
                 )
         adapter, origin = session.policy_adapter(ctx)
-        merged = session.merged_export(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
         try:
-            server = session.policy_server(ctx)
+            server = session.serve_policy(ctx)
             choices = [
                 server.completion(p, max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0) for p in prompts
             ]
@@ -115,7 +116,8 @@ class MergedServingStage(Stage):
         }
         details = [
             f"adapter: {origin}; merged into the fp32 transformers reference",
-            f"merged export: {merged}",
+            f"policy weights pushed in place from the Megatron model ({session.policy_model(ctx).describe()}); "
+            f"served as {server.served_name}",
             "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
             + ", ".join(f"{r:.2e}" for r in regrets),
         ]

@@ -1,11 +1,15 @@
 """Stage `native_vllm_lora`: vLLM serving the PEFT adapter itself (no merge) matches transformers + the adapter.
 
-For a handler that declares native LoRA, a second server is started on the base checkpoint with LoRA enabled,
-the policy adapter is loaded through ``/v1/load_lora_adapter`` and its prompt log-probabilities are compared
-with transformers + adapter. For a merged-only handler the stage skips with the handler's reason, after
-checking that the reason still holds: it asks the installed vLLM whether the architecture's class implements
-``SupportsLoRA`` and, if it does, tries the adapter for real; if vLLM now serves it correctly, the stage fails
-and says so (the declaration is out of date).
+For a handler that declares native LoRA, the policy adapter is loaded through ``/v1/load_lora_adapter`` into the
+run's one server while it holds the base weights (it runs before ``merged_serving`` pushes the policy in place),
+and its prompt log-probabilities are compared with transformers + adapter. Where the build cannot run the
+adapter on the shared server (``session.lora_gap``: routed experts on the CPU build) a server of its own is
+started with LoRA, so a build that has since gained the feature is noticed.
+
+For a merged-only handler the stage skips with the handler's reason, after checking that the reason still
+holds: it asks the installed vLLM whether the architecture's class implements ``SupportsLoRA`` and, if it
+does, tries the adapter for real; if vLLM now serves it correctly, the stage fails and says so (the
+declaration is out of date).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, ClassVar
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Requirement, Stage, StageResult
+from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
 
 _PROBE = """
@@ -50,26 +55,30 @@ class NativeVllmLoraStage(Stage):
     title = (
         "vLLM serving the PEFT adapter natively matches transformers + the adapter (or the merged-only reason holds)."
     )
-    order = 80
-    requires = ("merged_serving",)
-    packages: ClassVar = (Requirement("peft", "peft", "dev"),)
+    order = 65
+    packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
     prompts, prompt_len = 2, 24
 
+    def skip_reason(self, ctx: CheckContext) -> str | None:
+        from model_support.core.serving.session import backend
+
+        return backend().unavailable_reason()
+
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core.serving.session import backend, serving_workdir
+        from model_support.core.serving.session import backend, lora_gap, serving_workdir
 
         declared = ctx.spec.vllm_lora
         arch = ctx.config.architectures[0]
         version = backend().version()
         if declared.native:
-            return self._serve_adapter(ctx)
+            return self._serve_adapter(ctx, shared=lora_gap(ctx) is None)
         probe = lora_probe(arch, serving_workdir(ctx))
         if not probe["supports_lora"]:
             return self.skipped(
                 f"merged-only: {declared.reason} (confirmed: vLLM {version}'s {probe['class']} does not implement "
                 "SupportsLoRA)"
             )
-        result = self._serve_adapter(ctx)
+        result = self._serve_adapter(ctx, shared=False)
         if result.status == "pass":
             return self.failed(
                 f"declared merged-only ({declared.reason}), but vLLM {version} serves the adapter natively within "
@@ -80,7 +89,9 @@ class NativeVllmLoraStage(Stage):
             )
         return self.skipped(f"merged-only: {declared.reason} (confirmed on vLLM {version}: {result.summary})")
 
-    def _serve_adapter(self, ctx: CheckContext) -> StageResult:
+    def _serve_adapter(self, ctx: CheckContext, *, shared: bool) -> StageResult:
+        """The adapter served natively: on the run's server (holding the base weights) when ``shared``, else on
+        a LoRA-enabled server of its own, stopped at the end."""
         import torch
 
         from model_support.core.serving import session
@@ -88,21 +99,26 @@ class NativeVllmLoraStage(Stage):
         adapter, origin = session.policy_adapter(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
         options = session.serve_options(ctx, enable_lora=True)
-        server = None
+        own = None
+        lora_name = f"{ctx.spec.name}-lora"
         try:
-            server = session.backend().serve(
-                ctx.model_dir, f"{ctx.spec.name}-base", options, session.serving_workdir(ctx) / "vllm-lora.log"
-            )
-            server.load_lora(f"{ctx.spec.name}-lora", adapter)
+            if shared:
+                server = session.serve_base(ctx)
+            else:
+                own = server = session.backend().serve(
+                    ctx.model_dir, f"{ctx.spec.name}-base", options, session.serving_workdir(ctx) / "vllm-lora.log"
+                )
+            server.load_lora(lora_name, adapter)
             choices = [
-                server.completion(p, model=f"{ctx.spec.name}-lora", max_tokens=1, temperature=0.0, prompt_logprobs=0)
-                for p in prompts
+                server.completion(p, model=lora_name, max_tokens=1, temperature=0.0, prompt_logprobs=0) for p in prompts
             ]
+            if shared:  # the run's server goes on serving the base model alone
+                server.unload_lora(lora_name)
         except ServingError as exc:
             return cannot_serve(self, ctx, exc)
         finally:
-            if server is not None:
-                server.stop()
+            if own is not None:
+                own.stop()
         reference = session.trainer_logprobs(ctx, adapter, prompts)
         delta = torch.cat(
             [
@@ -121,5 +137,5 @@ class NativeVllmLoraStage(Stage):
             metrics,
             {"lora_logprob_max_abs_err": tol},
             f"adapter served natively: {metrics['tokens_compared']} prompt tokens within {tol:g} ({options.dtype})",
-            [f"adapter: {origin}"],
+            [f"adapter: {origin}", "served on " + ("the run's server" if shared else "a server of its own")],
         )

@@ -1,18 +1,22 @@
 """Stage `train_inference_mismatch`: the trainer and the server give the same log-probabilities to the same samples.
 
-Completions are sampled from the server (temperature 1, seeded); the trainer side (transformers + the same
-LoRA adapter, unmerged through PEFT where transformers can; see ``core/serving/session.py``) scores the same
-prompt + completion ids. Per sampled token, ``delta = log p_server - log p_trainer``; the report gives mean and
-max ``|delta|`` and the KL(server || trainer) estimate ``k3 = exp(-delta) - 1 + delta`` averaged over tokens
-(unbiased under the server's samples, always >= 0). This is the number an on-policy RL run depends on: it proves
-the served weights are the trained weights.
+Completions are sampled from the server holding the policy (its merged weights pushed in place from the Megatron
+model; temperature 1, seeded); the trainer, the Megatron model carrying the same adapter, scores the same
+prompt + completion ids in one packed forward (``api.token_logprobs``). Per sampled token,
+``delta = log p_server - log p_trainer``; the report gives mean and max ``|delta|`` and the KL(server || trainer)
+estimate ``k3 = exp(-delta) - 1 + delta`` averaged over tokens (unbiased under the server's samples). This is the
+number an on-policy RL run depends on, and what catches weights that were pushed but landed in the wrong place.
+transformers (fp32, adapter merged) scores the same ids as a second reference, held to the same limits.
 """
 
 from __future__ import annotations
 
+import torch
+
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
+from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
 
 # By serving dtype. fp32 serving must agree to round-off. In bf16 the mean is what matters: single tokens can
@@ -24,22 +28,36 @@ MISMATCH_TOLERANCE = {
 }
 
 
+def mismatch_tolerance(dtype: str) -> dict[str, float]:
+    return MISMATCH_TOLERANCE.get(dtype, MISMATCH_TOLERANCE["bfloat16"])
+
+
+def mismatch(delta: torch.Tensor) -> dict[str, float]:
+    """mean / max ``|delta|`` and the k3 KL estimate from per-token ``log p_server - log p_trainer``."""
+    k3 = torch.exp(-delta) - 1 + delta
+    return {
+        "kl_mean": k3.mean().item(),
+        "kl_max": k3.max().item(),
+        "abs_delta_logprob_mean": delta.abs().mean().item(),
+        "abs_delta_logprob_max": delta.abs().max().item(),
+    }
+
+
 class TrainInferenceMismatchStage(Stage):
     name = "train_inference_mismatch"
-    title = "Per-token logprobs of server samples agree between trainer and server (KL, |delta logprob|)."
+    title = "Per-token logprobs of server samples agree between the Megatron trainer and the server (KL, |delta|)."
     order = 100
     requires = ("merged_serving",)
+    packages = MEGATRON_PACKAGES
     prompts, prompt_len, max_tokens = 3, 8, 16
 
     def run(self, ctx: CheckContext) -> StageResult:
-        import torch
-
         from model_support.core.serving import session
 
         adapter, origin = session.policy_adapter(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
         try:
-            server = session.policy_server(ctx)
+            server = session.serve_policy(ctx)
             samples = [
                 server.completion(
                     p, max_tokens=self.max_tokens, temperature=1.0, seed=ctx.seed + i, logprobs=0, ignore_eos=True
@@ -49,27 +67,35 @@ class TrainInferenceMismatchStage(Stage):
         except ServingError as exc:
             return cannot_serve(self, ctx, exc)
         sequences = [p + list(s["token_ids"]) for p, s in zip(prompts, samples, strict=True)]
-        trainer = session.trainer_logprobs(ctx, adapter, sequences)
-        deltas = []
-        for prompt, sample, seq, ref in zip(prompts, samples, sequences, trainer, strict=True):
-            served = torch.tensor(sample["logprobs"]["token_logprobs"], dtype=torch.float64)
-            deltas.append(served - session.token_logprobs(ref, seq, len(prompt)))
-        delta = torch.cat(deltas)
-        k3 = torch.exp(-delta) - 1 + delta
-        metrics = {
-            "kl_mean": k3.mean().item(),
-            "kl_max": k3.max().item(),
-            "abs_delta_logprob_mean": delta.abs().mean().item(),
-            "abs_delta_logprob_max": delta.abs().max().item(),
-            "sampled_tokens": delta.numel(),
-            "trainer": "transformers fp32, adapter merged",
-            "serving_dtype": server.options.dtype,
+        served = [torch.tensor(s["logprobs"]["token_logprobs"], dtype=torch.float64) for s in samples]
+        trainers = {
+            "": session.megatron_logprobs(ctx, sequences),
+            "hf_": session.trainer_logprobs(ctx, adapter, sequences),
         }
-        thresholds = MISMATCH_TOLERANCE.get(server.options.dtype, MISMATCH_TOLERANCE["bfloat16"])
+        metrics: dict[str, float | int | str] = {}
+        for prefix, rows in trainers.items():
+            delta = torch.cat(
+                [
+                    lp - session.token_logprobs(ref, seq, len(prompt))
+                    for prompt, seq, lp, ref in zip(prompts, sequences, served, rows, strict=True)
+                ]
+            )
+            metrics |= {prefix + k: v for k, v in mismatch(delta).items()}
+        metrics |= {
+            "sampled_tokens": sum(len(lp) for lp in served),
+            "serving_dtype": server.options.dtype,
+            "served_model": server.served_name,
+        }
+        limits = mismatch_tolerance(server.options.dtype)
+        thresholds = limits | {"hf_" + k: v for k, v in limits.items()}
         return self.judge(
             metrics,
             thresholds,
-            f"{delta.numel()} sampled tokens: mean KL {metrics['kl_mean']:.2e}, "
+            f"{metrics['sampled_tokens']} sampled tokens, server vs Megatron: mean KL {metrics['kl_mean']:.2e}, "
             f"max |delta| {metrics['abs_delta_logprob_max']:.2e}",
-            [f"adapter: {origin}"],
+            [
+                f"adapter: {origin}",
+                f"trainer: the Megatron model ({session.policy_model(ctx).describe()}); hf_*: transformers fp32, "
+                "adapter merged",
+            ],
         )

@@ -1,0 +1,221 @@
+"""The training-time API: what a trainer (ART, verl, NeMo RL) imports to run a model family through its handler.
+
+Everything the harness validates goes through these functions: the CLI, the pytest plugin and the stages call
+them, so what ``model-support check`` proves is what a trainer runs. A training step with it::
+
+    from model_support.core import api
+
+    handler = api.resolve("Qwen/Qwen3-30B-A3B")              # a model dir, config.json or cached hub id
+    model = api.build_model("/ckpt/qwen3-30b-a3b", handler=handler, parallel=api.ParallelLayout(tensor_parallel=2))
+    api.apply_lora(model, rank=16, alpha=32)                 # the handler's declared targets, base frozen
+    ...                                                      # forward / backward on model.module as usual
+    server.update_weights(api.merged_weights(model))         # HF-named buckets, base + LoRA, into a live server
+    api.export_adapter(model, "/out/adapter")                # a PEFT adapter, through the handler's codec
+
+Megatron-side functions need the ``megatron`` extra (megatron-core and megatron-bridge); ``resolve`` does not.
+``build_model`` joins a caller's torch.distributed and megatron-core parallel state when they exist (never tearing
+them down) and sets up a world of one otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from model_support.core.discovery import load_config, locate
+from model_support.core.discovery import resolve_handler as _resolve_source
+from model_support.core.layout import ModelLayout, derive_layout
+from model_support.core.registry import RegisteredHandler, Registry, load_registry
+
+if TYPE_CHECKING:
+    from model_support.core.megatron.builder import MegatronModel
+    from model_support.core.megatron.lora import LoraReport
+    from model_support.core.serving.backend import Server
+
+# Bucket size for merged_weights: large enough that per-bucket overhead vanishes, small enough to stay a
+# fraction of a GPU's free memory beside the model.
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "ParallelLayout",
+    "TrainingModel",
+    "apply_lora",
+    "build_model",
+    "export_adapter",
+    "load_adapter",
+    "merged_weights",
+    "push_weights",
+    "resolve",
+    "token_logprobs",
+]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the model is split across ranks. ``tensor_parallel`` must divide the world size."""
+
+    tensor_parallel: int = 1
+
+
+@dataclass
+class TrainingModel:
+    """A handler's megatron-core model as a trainer runs it, with what converting it to and from HF needs.
+
+    ``module`` is the megatron-core model to train (LoRA wrapped in place by :func:`apply_lora`).
+    """
+
+    handler: RegisteredHandler
+    model_dir: Path
+    config: Any
+    layout: ModelLayout
+    built: MegatronModel
+    lora: LoraReport | None = field(default=None)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.built.model
+
+    @property
+    def spec(self):  # -> HandlerSpec
+        return self.handler.spec
+
+    def describe(self) -> str:
+        """One line: the modules, dtype and kernel the model runs."""
+        return self.built.numerics.describe(bool(self.layout.gdn_layers))
+
+
+def resolve(
+    target: str | Path, *, prefer: Mapping[str, str] | None = None, registry: Registry | None = None
+) -> RegisteredHandler:
+    """The one handler for ``target`` (model directory, ``config.json``, or a hub id in the local HF cache).
+
+    ``prefer`` settles an architecture claimed by several plugins (``{"Qwen3ForCausalLM": "my-qwen3"}``).
+    Raises :class:`~model_support.core.errors.ModelSupportError` subclasses with a one-line reason.
+    """
+    registry = registry or load_registry(prefer=prefer)
+    return _resolve_source(locate(str(target)), registry)
+
+
+def build_model(
+    model_dir: str | Path,
+    *,
+    handler: RegisteredHandler | None = None,
+    config: Any = None,
+    parallel: ParallelLayout | None = None,
+    dtype: torch.dtype | None = None,
+) -> TrainingModel:
+    """Build the language model of ``model_dir`` in megatron-core and load its weights through megatron-bridge.
+
+    ``dtype`` defaults to the device's training dtype (bf16 on a GPU, fp32 on a CPU). Gated DeltaNet layers run
+    on the kernel the handler's runtime policy selects; MTP layers are built only when the policy keeps them
+    for training. ``handler`` and ``config`` default to :func:`resolve` and the directory's config.
+    """
+    from model_support.core.megatron.builder import build_megatron_model, choose_numerics
+
+    source = locate(str(model_dir))
+    handler = handler or _resolve_source(source, load_registry())
+    config = config if config is not None else load_config(source)
+    layout = derive_layout(config)
+    parallel = parallel or ParallelLayout()
+    runtime = handler.spec.runtime
+    numerics = choose_numerics(runtime.gdn_backend, dtype=dtype)
+    mtp = bool(layout.mtp_layers) and not runtime.disable_mtp_for_training
+    built = build_megatron_model(
+        source.directory, config, tensor_parallel=parallel.tensor_parallel, mtp=mtp, numerics=numerics
+    )
+    return TrainingModel(handler, source.directory, config, layout, built)
+
+
+def apply_lora(model: TrainingModel, *, rank: int = 8, alpha: float = 16.0) -> LoraReport:
+    """Wrap every module the handler declares a LoRA target for (B = 0, so the model is unchanged); freeze the rest.
+
+    The adapter weights are fp32 whatever the base dtype, as PEFT keeps them.
+    """
+    from model_support.core.megatron.lora import LoraError
+    from model_support.core.megatron.lora import apply_lora as wrap
+
+    if model.lora is not None:
+        raise LoraError("LoRA is already applied to this model")
+    model.lora = wrap(model.module, model.spec, rank=rank, alpha=alpha)
+    return model.lora
+
+
+def _require_lora(model: TrainingModel) -> LoraReport:
+    from model_support.core.megatron.lora import LoraError
+
+    if model.lora is None:
+        raise LoraError("no LoRA on this model: call apply_lora first")
+    return model.lora
+
+
+def export_adapter(model: TrainingModel, out_dir: str | Path) -> Path:
+    """Write the model's LoRA as a PEFT adapter (HF module names) through the handler's codec.
+
+    Every tensor-parallel rank takes part in gathering the LoRA; rank 0 writes. Returns ``out_dir``.
+    """
+    import torch.distributed as dist
+
+    from model_support.core.codecs import save_peft_adapter
+    from model_support.core.megatron.lora import lora_state
+
+    lora = _require_lora(model)
+    first = next(iter(lora.wrapped.values()))
+    peft = model.spec.codec.to_peft(lora_state(model.module), model.config, model.layout)
+    out = Path(out_dir)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_peft_adapter(out, peft, rank=first.rank, alpha=first.alpha, base_model=str(model.model_dir))
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def load_adapter(model: TrainingModel, adapter_dir: str | Path) -> None:
+    """Load a PEFT adapter (e.g. one :func:`export_adapter` wrote) into the model's LoRA through the codec."""
+    from model_support.core.codecs import load_peft_adapter
+    from model_support.core.megatron.lora import load_lora_state
+
+    _require_lora(model)
+    _, tensors = load_peft_adapter(Path(adapter_dir))
+    load_lora_state(model.module, model.spec.codec.from_peft(tensors, model.config, model.layout))
+
+
+def merged_weights(
+    model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors as the live model holds them now (base + LoRA merged), in HF names and dtypes.
+
+    Streamed in buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own), gathered across
+    tensor-parallel ranks by the bridge's mappings, with no checkpoint written. Tensors the Megatron model does
+    not hold (a vision tower, MTP layers not trained) come from the checkpoint unchanged. Every rank gets every
+    bucket; feed them to :meth:`Server.update_weights` from one rank.
+    """
+    from model_support.core.megatron.hf_export import hf_weights
+    from model_support.core.serving.export import buckets
+
+    return buckets(hf_weights(model.built), bucket_bytes)
+
+
+def push_weights(server: Server, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+    """Push the model's merged weights into ``server`` in place; returns the new served name (``model@N``)."""
+    return server.update_weights(merged_weights(model, bucket_bytes=bucket_bytes))
+
+
+def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Per-position log-softmax rows of each sequence, ``[len(seq), vocab]`` fp32, from one packed forward.
+
+    Row ``t`` is the model's distribution over the token after ``seq[:t + 1]``. The sequences are packed into
+    one row with position ids restarting at 0 (as trainers pack), so no sequence sees another. Differentiable
+    when the model's parameters require grad.
+    """
+    from model_support.core.megatron.forward import logits
+
+    lengths = [len(seq) for seq in sequences]
+    row = torch.tensor([t for seq in sequences for t in seq])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    out = torch.log_softmax(logits(model.module, row, positions)[0], dim=-1)
+    return list(out.split(lengths))

@@ -1,0 +1,108 @@
+"""Live megatron-core model -> its checkpoint's tensors, LoRA merged, streamed without writing a checkpoint.
+
+A trainer pushes these to a vLLM server after each update. The conversion is the model bridge's own export
+(``stream_weights_megatron_to_hf``: TP gathers, QKV / gate-up / GDN splits, grouped experts, tied-embedding
+aliases), fed one parameter at a time; each LoRA-wrapped linear contributes its merged local shard, which the
+bridge gathers and splits like any weight. Names and dtypes are the checkpoint's own, and the tensors the model
+does not hold (a vision tower, MTP layers that were not built) are read from the checkpoint unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from model_support.core.checkpoint import weight_files
+from model_support.core.errors import ModelSupportError
+from model_support.core.megatron.builder import MegatronModel, mapping_name
+from model_support.core.megatron.lora import lora_modules
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class HFExportError(ModelSupportError):
+    """The live model's weights do not fit the checkpoint they are exported under."""
+
+
+def _stored(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """File, shape and safetensors dtype of every tensor of the checkpoint, by its own name (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in weight_files(model_dir):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                view = f.get_slice(key)
+                out[key] = (path, tuple(view.get_shape()), view.get_dtype())
+    return out
+
+
+def _local_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.nn.Module]]:
+    """(name without LoRA's ``.base``, this rank's shard with LoRA merged, owning module) per base parameter."""
+    wrapped = lora_modules(model)
+    for name, param in model.named_parameters():
+        parent, _, leaf = name.rpartition(".")
+        prefix, _, child = parent.rpartition(".")
+        lora = wrapped.get(prefix)
+        if lora is None:
+            yield name, param.detach(), model.get_submodule(parent)
+        elif child == "base":  # (skips the adapter's own lora_A / lora_B)
+            shard = param.detach()
+            if leaf == "weight":
+                delta = lora.lora_B.weight.detach().float() @ lora.lora_A.weight.detach().float()
+                shard = (shard.float() + lora.scale * delta).to(shard.dtype)
+            yield f"{prefix}.{leaf}", shard, lora.base
+
+
+def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``built``'s checkpoint exactly once, as ``(name in the files, tensor)``, LoRA merged in.
+
+    Tensors the Megatron model holds come from the live model (cast to the dtype the checkpoint stores, on the
+    model's device; they may share memory with its parameters), one converted group at a time; the others are
+    read from the checkpoint files. A collective under tensor parallelism: every rank must iterate it to the end,
+    and every rank gets the full tensors. Raises :class:`HFExportError` if the bridge exports a tensor the
+    checkpoint lacks or with another shape.
+    """
+    from megatron.bridge.models.conversion.model_bridge import WeightConversionTask
+    from safetensors import safe_open
+
+    checkpoint = built.checkpoint
+    stored = _stored(checkpoint.source_dir)
+    registry = built.bridge.mapping_registry()
+    registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
+    lookup = registry.megatron_to_hf_lookup
+    # The bridge merges only its own PEFT wrappers (`.to_wrap.`/`.adapter.`); tasks for LoraLinear's are built here.
+    tasks = (
+        WeightConversionTask(
+            param_name=name,
+            global_param_name=name,
+            mapping=lookup(mapping_name(name, lookup)),
+            megatron_module=module,
+            param_weight=shard,
+        )
+        for name, shard, module in _local_shards(built.model)
+    )
+    exported = built.bridge.stream_weights_megatron_to_hf(
+        built.model, checkpoint, cpu=False, show_progress=False, conversion_tasks=tasks, merge_adapter_weights=False
+    )
+    done: set[str] = set()
+    for name, tensor in exported:
+        raw = checkpoint.raw_key(name) if name in checkpoint else name
+        if raw not in stored or raw in done:
+            problem = "a second time" if raw in done else f"but {checkpoint.source_dir} does not have it"
+            raise HFExportError(f"the bridge exports {name} {problem}")
+        _, shape, code = stored[raw]
+        if tuple(tensor.shape) != shape or code not in _DTYPES:
+            raise HFExportError(f"the bridge exports {raw} as {tuple(tensor.shape)}, the checkpoint has {shape} {code}")
+        done.add(raw)
+        yield raw, tensor.to(_DTYPES[code])
+    rest: dict[Path, list[str]] = {}
+    for raw, (path, _, _) in stored.items():
+        if raw not in done:
+            rest.setdefault(path, []).append(raw)
+    for path, keys in rest.items():
+        with safe_open(path, "pt") as f:
+            for key in keys:
+                yield key, f.get_tensor(key)
