@@ -51,6 +51,7 @@ __all__ = [
     "merged_weights",
     "push_weights",
     "resolve",
+    "serve",
     "token_logprobs",
 ]
 
@@ -198,6 +199,27 @@ def merged_weights(
     from model_support.core.serving.export import buckets
 
     return buckets(hf_weights(model.built), bucket_bytes)
+
+
+def serve(
+    model_dir: str | Path,
+    served_name: str,
+    log_path: str | Path,
+    *,
+    dtype: str = "auto",
+    enable_lora: bool = False,
+    backend: str = "vllm",
+) -> Server:
+    """Start a server (an OpenAI-compatible vLLM in the managed runtime) on ``model_dir`` as ``served_name``.
+
+    Name it ``<model>@0``: each :meth:`Server.update_weights` advances the step (``@1``, ``@2`` ...). The server is
+    a child process, stopped by ``server.stop()`` and reaped when this process exits.
+    """
+    from model_support.core.serving.backend import get_backend
+    from model_support.core.serving.vllm_backend import ServeOptions
+
+    options = ServeOptions(dtype=dtype, enable_lora=enable_lora)
+    return get_backend(backend).serve(Path(model_dir), served_name, options, Path(log_path))
 
 
 def push_weights(server: Server, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:

@@ -24,7 +24,7 @@ from model_support.core import api
 from model_support.core.codecs import load_peft_adapter
 from model_support.core.megatron.session import LORA_RANK, megatron_lora, training_model
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
-from model_support.core.serving.export import base_tensors, buckets
+from model_support.core.serving.export import CheckpointWriter, base_tensors, buckets
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.core.validate import TargetCoverageError, checkpoint_modules, uncovered_targets
@@ -34,9 +34,13 @@ MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage 
 ADAPTER_KEY = "serving.adapter_dir"
 SERVER_KEY = "serving.server"
 SERVED_KEY = "serving.served"  # "base", "policy" or "rl": the weights the server holds now
-# The CPU build runs routed experts' LoRA through a Triton kernel it has no backend for, and fails on the first
-# request (docs/serving.md): an MoE model's shared server is started without LoRA there.
+POLICY_SERVER_KEY = "serving.policy_server"  # only where weights cannot be pushed in place (inplace_gap)
+# Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
+# build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
 CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
+# Reloading an MoE model's weights in place moves its outputs: reloading the checkpoint's own weights into a tiny
+# Qwen3-MoE changed prompt log-probs by up to 0.10 (tests/serving/test_inplace.py keeps measuring it).
+CPU_MOE_RELOAD_GAP = "in-place weight reload of fused-MoE layers changes the model's outputs"
 
 
 def backend() -> ServingBackend:
@@ -53,6 +57,13 @@ def lora_gap(ctx: CheckContext) -> str | None:
     """Why this build cannot serve the handler's adapter natively (``None``: it can, as far as is known)."""
     if ctx.layout.moe is not None and load_runtime().flavor == "cpu":
         return CPU_MOE_LORA_GAP
+    return None
+
+
+def inplace_gap(ctx: CheckContext) -> str | None:
+    """Why this build cannot take the handler's weights in place (``None``: it can, as far as is known)."""
+    if ctx.layout.moe is not None and load_runtime().flavor == "cpu":
+        return CPU_MOE_RELOAD_GAP
     return None
 
 
@@ -131,7 +142,23 @@ def policy_model(ctx: CheckContext) -> api.TrainingModel:
 
 
 def serve_policy(ctx: CheckContext) -> Server:
-    """The run's server holding the policy: its merged weights pushed in place from the Megatron model."""
+    """A server holding the policy: the run's server with the policy's merged weights pushed in place from the
+    Megatron model; where the build cannot take weights in place (:func:`inplace_gap`), a server started on
+    those merged weights written as a checkpoint (``<handler>-policy``)."""
+    if inplace_gap(ctx) is not None:
+        if POLICY_SERVER_KEY not in ctx.artifacts:
+            writer = CheckpointWriter(serving_workdir(ctx) / "policy-weights", support_from=ctx.model_dir)
+            try:
+                for bucket in api.merged_weights(policy_model(ctx)):
+                    writer.write_shard(bucket)
+                weights = writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+            ctx.artifacts[POLICY_SERVER_KEY] = backend().serve(
+                weights, f"{ctx.spec.name}-policy", serve_options(ctx), serving_workdir(ctx) / "vllm-policy.log"
+            )
+        return ctx.artifacts[POLICY_SERVER_KEY]
     running = server(ctx)
     if ctx.artifacts[SERVED_KEY] != "policy":
         api.push_weights(running, policy_model(ctx))

@@ -34,22 +34,29 @@ def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     # One server for the run: the base at @0 (native LoRA loads into it), the policy pushed in place at @1, then
     # one push per RL step. Only where the CPU build cannot run routed experts' LoRA does native LoRA get its own.
     moe_on_cpu = handler.endswith("moe") and runtime.flavor == "cpu"
+    # The CPU build cannot take an MoE model's weights in place either: the policy gets a server of its own.
     logs = sorted(p.name for p in (tmp_path / "w").glob("*/serving/vllm*.log"))
-    assert logs == (["vllm-lora.log", "vllm.log"] if moe_on_cpu else ["vllm.log"])
+    assert logs == (["vllm-lora.log", "vllm-policy.log"] if moe_on_cpu else ["vllm.log"])
     merged = by_stage["merged_serving"]
     assert merged["status"] == "pass", merged
-    assert merged["metrics"]["served_model"] == f"{handler}@1"
+    assert merged["metrics"]["served_model"] == (f"{handler}-policy" if moe_on_cpu else f"{handler}@1")
     dtype = "bfloat16" if handler.startswith("qwen3.5") and runtime.flavor == "cpu" else "float32"
     assert merged["metrics"]["serving_dtype"] == dtype
-    for name in ("merged_serving", "chat_template_rollout", "train_inference_mismatch", "rl_trainability"):
+    for name in ("merged_serving", "chat_template_rollout", "train_inference_mismatch"):
         assert status[name] == "pass", by_stage[name]
         for metric, limit in by_stage[name]["thresholds"].items():
             assert by_stage[name]["metrics"][metric] <= limit
     mismatch = by_stage["train_inference_mismatch"]["metrics"]
     assert mismatch["sampled_tokens"] == 48
-    rl = by_stage["rl_trainability"]["metrics"]
-    assert rl["final_reward"] >= 0.9 and rl["stale_served_names"] == 0
-    assert rl["served_model"] == f"{handler}@{rl['steps'] + 2}"  # @2 is the RL start (fresh LoRA: the base)
+    rl = by_stage["rl_trainability"]
+    if moe_on_cpu:
+        assert rl["status"] == "skip" and "cannot take" in rl["summary"] and "in place" in rl["summary"], rl
+    else:
+        assert rl["status"] == "pass", rl
+        assert all(rl["metrics"][m] <= limit for m, limit in rl["thresholds"].items())
+        assert rl["metrics"]["final_reward"] >= 0.9 and rl["metrics"]["stale_served_names"] == 0
+        # @2 is the RL start (a fresh LoRA: the base weights), then one push per step.
+        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['steps'] + 2}"
 
     native = by_stage["native_vllm_lora"]
     if moe_on_cpu:

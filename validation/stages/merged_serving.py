@@ -116,8 +116,12 @@ class MergedServingStage(Stage):
         }
         details = [
             f"adapter: {origin}; merged into the fp32 transformers reference",
-            f"policy weights pushed in place from the Megatron model ({session.policy_model(ctx).describe()}); "
-            f"served as {server.served_name}",
+            f"policy weights merged in the Megatron model ({session.policy_model(ctx).describe()}), "
+            + (
+                f"served from a checkpoint of their own as {server.served_name} ({gap})"
+                if (gap := session.inplace_gap(ctx))
+                else f"pushed in place: served as {server.served_name}"
+            ),
             "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
             + ", ".join(f"{r:.2e}" for r in regrets),
         ]

@@ -71,9 +71,16 @@ class RlTrainabilityStage(Stage):
     group, max_steps, clip_norm = 8, 30, 1.0
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
-        from model_support.core.serving.session import backend
+        from model_support.core.serving.session import backend, inplace_gap
 
-        return backend().unavailable_reason()
+        unavailable = backend().unavailable_reason()
+        if unavailable is not None:
+            return unavailable
+        gap = inplace_gap(ctx)
+        if gap is not None:
+            runtime = backend().version()
+            return f"the CPU vLLM build ({runtime}) cannot take {ctx.spec.name}'s weights in place: {gap}"
+        return None
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core import api
