@@ -1,0 +1,74 @@
+"""The training-time API on a tiny model: what a trainer calls, with the outcomes it relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_support.core import api
+from model_support.core.errors import ModelSupportError
+from model_support.core.megatron.dist import ParallelLayoutError
+from model_support.core.megatron.lora import LoraError, load_lora_state, lora_state, random_lora_state
+from tests.megatron.conftest import require_megatron
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen35(tiny_model_dir) -> api.TrainingModel:
+    require_megatron()
+    model_dir = tiny_model_dir("qwen3.5")
+    model = api.build_model(model_dir, handler=api.resolve(model_dir))
+    api.apply_lora(model, rank=4, alpha=8.0)
+    return model
+
+
+def test_resolve_and_build_describe_what_runs(qwen35):
+    assert qwen35.handler.spec.name == "qwen3.5"
+    assert "float32 on cpu" in qwen35.describe() and "LocalGatedDeltaNet" in qwen35.describe()
+    assert qwen35.built.model is qwen35.module
+    with pytest.raises(LoraError, match="already applied"):
+        api.apply_lora(qwen35)
+
+
+def test_a_layout_that_disagrees_with_the_callers_groups_is_refused(qwen35):
+    with pytest.raises(ParallelLayoutError, match="initialised with tensor parallel 1, the model asks for 2"):
+        api.build_model(qwen35.model_dir, handler=qwen35.handler, parallel=api.ParallelLayout(tensor_parallel=2))
+
+
+def test_adapter_export_and_load_round_trip_exactly(qwen35, tmp_path):
+    state = random_lora_state(qwen35.module, seed=5, b_std=0.05)
+    load_lora_state(qwen35.module, state)
+    adapter = api.export_adapter(qwen35, tmp_path / "adapter")
+    load_lora_state(qwen35.module, {k: torch.zeros_like(v) for k, v in state.items()})
+    api.load_adapter(qwen35, adapter)
+    back = lora_state(qwen35.module)
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_packed_token_logprobs_equal_separate_runs_and_carry_gradients(qwen35):
+    load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=6, b_std=0.05))
+    sequences = [[5, 9, 33, 71, 2, 8], [40, 41, 42], [300, 12, 7, 7]]
+    packed = api.token_logprobs(qwen35, sequences)
+    for seq, rows in zip(sequences, packed, strict=True):
+        alone = api.token_logprobs(qwen35, [seq])[0]
+        assert rows.shape == (len(seq), alone.shape[-1])
+        assert (rows - alone).abs().max().item() < 1e-5
+    packed[0][-1, 3].backward()
+    grads = [p.grad for p in qwen35.module.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    qwen35.module.zero_grad(set_to_none=True)
+
+
+def test_merged_weights_come_in_bounded_buckets(qwen35):
+    sizes = [
+        sum(t.numel() * t.element_size() for t in b.values()) for b in api.merged_weights(qwen35, bucket_bytes=1 << 20)
+    ]
+    assert len(sizes) > 1
+    assert all(size <= 1 << 20 for size in sizes)  # no tensor of the tiny model is larger than a bucket
+
+
+def test_resolve_names_what_is_wrong(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
+    with pytest.raises(ModelSupportError, match="NoSuchForCausalLM"):
+        api.resolve(tmp_path)
