@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from model_support.core.discovery import load_config, locate
+from model_support.core.discovery import ModelSource, load_config, locate
 from model_support.core.discovery import resolve_handler as _resolve_source
 from model_support.core.layout import ModelLayout, derive_layout
 from model_support.core.registry import RegisteredHandler, Registry, load_registry
 
 if TYPE_CHECKING:
+    import torch
+
     from model_support.core.megatron.builder import MegatronModel
     from model_support.core.megatron.lora import LoraReport
     from model_support.core.serving.backend import Server
@@ -91,15 +91,17 @@ class TrainingModel:
 
 
 def resolve(
-    target: str | Path, *, prefer: Mapping[str, str] | None = None, registry: Registry | None = None
+    target: str | Path | ModelSource, *, prefer: Mapping[str, str] | None = None, registry: Registry | None = None
 ) -> RegisteredHandler:
-    """The one handler for ``target`` (model directory, ``config.json``, or a hub id in the local HF cache).
+    """The one handler for ``target`` (model directory, ``config.json``, a hub id in the local HF cache, or an
+    already located :class:`~model_support.core.discovery.ModelSource`).
 
     ``prefer`` settles an architecture claimed by several plugins (``{"Qwen3ForCausalLM": "my-qwen3"}``).
     Raises :class:`~model_support.core.errors.ModelSupportError` subclasses with a one-line reason.
     """
     registry = registry or load_registry(prefer=prefer)
-    return _resolve_source(locate(str(target)), registry)
+    source = target if isinstance(target, ModelSource) else locate(str(target))
+    return _resolve_source(source, registry)
 
 
 def build_model(
@@ -234,6 +236,8 @@ def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> 
     one row with position ids restarting at 0 (as trainers pack), so no sequence sees another. Differentiable
     when the model's parameters require grad.
     """
+    import torch
+
     from model_support.core.megatron.forward import logits
 
     lengths = [len(seq) for seq in sequences]

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from model_support.core.discovery import ModelSource, load_config, locate, resolve_handler
+from model_support.core import api
+from model_support.core.discovery import ModelSource, load_config, locate
 from model_support.core.errors import ModelNotFoundError, ModelSupportError
 from model_support.core.layout import derive_layout
 from model_support.core.registry import Registry, load_registry, parse_preferences
@@ -180,7 +181,7 @@ def tiny(
 
     registry = _registry()
     source = source_for(target, registry, tiny=True)
-    resolve_handler(source, registry)
+    api.resolve(source, registry=registry)
     check_out_dir(out, overwrite)
     with staged_dir(out) as tmp:
         build_tiny(source.raw_config, tmp, seed=seed)
@@ -221,7 +222,7 @@ def check(
         check_workdir(workdir)
     registry = _registry(prefer)
     source = source_for(target, registry, tiny)
-    handler = resolve_handler(source, registry)
+    handler = api.resolve(source, registry=registry)
     stages_to_run = plan([s.stage for s in registry.stages], stage)
     work = start_run_dir(workdir)
     report = None
@@ -284,7 +285,7 @@ def replica(
 
     registry = _registry()
     source = source_for(target, registry, tiny=True)
-    resolve_handler(source, registry)
+    api.resolve(source, registry=registry)
     info = build_replica(
         source.raw_config,
         out,

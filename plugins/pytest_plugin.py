@@ -64,8 +64,9 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     This is what ``model-support check`` does; ``workdir`` receives the tiny replica and the
     stages' artifacts.
     """
+    from model_support.core import api
     from model_support.core.cli import source_for
-    from model_support.core.discovery import load_config, locate, resolve_handler
+    from model_support.core.discovery import load_config, locate
     from model_support.core.layout import derive_layout
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
@@ -73,7 +74,7 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
 
     registry = registry or load_registry(prefer=dict(request.prefer))
     source = source_for(request.target, registry, request.tiny)
-    handler = resolve_handler(source, registry)
+    handler = api.resolve(source, registry=registry)
     stages = plan([s.stage for s in registry.stages], list(request.stages) or None)
     workdir.mkdir(parents=True, exist_ok=True)
     if request.tiny:
