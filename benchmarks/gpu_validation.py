@@ -120,7 +120,7 @@ def broken_run(model_dir: Path, json_out: Path) -> None:
     import torch
     from transformers import AutoConfig
 
-    from model_support.core.codecs import QwenLoraCodec
+    from model_support.core.codecs import BridgeLoraCodec
     from model_support.core.discovery import locate, resolve_handler
     from model_support.core.layout import derive_layout
     from model_support.core.registry import load_registry
@@ -128,7 +128,7 @@ def broken_run(model_dir: Path, json_out: Path) -> None:
     from model_support.validation.report import write_reports
     from model_support.validation.runner import plan, run_checks
 
-    class SwappedGateUpCodec(QwenLoraCodec):
+    class SwappedGateUpCodec(BridgeLoraCodec):
         @staticmethod
         def _swap(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out = dict(tensors)

@@ -1,32 +1,40 @@
-"""LoRA codecs: Megatron's fused LoRA tensors <-> a PEFT adapter with Hugging Face module names.
+"""LoRA codecs and PEFT's on-disk adapter format.
 
-Pure tensor code (no Megatron import), so handlers can declare a codec anywhere.
+A codec maps Megatron's fused LoRA tensors to a PEFT adapter with Hugging Face module names and back. Megatron
+side: one ``lora_A`` [r, in] / ``lora_B`` [out, r] pair per Megatron linear, keyed by the Megatron parameter name
+(``decoder.layers.3.self_attention.linear_qkv.lora_A.weight``), in the canonical (tensor-parallel size 1) layout;
+the rows of ``lora_B`` follow the rows of the fused base weight. PEFT side:
+``base_model.model.<hf module>.lora_A.weight`` / ``lora_B.weight``, experts addressed per expert
+(``mlp.experts.<e>.gate_proj``), as the checkpoint, vLLM's fused-MoE LoRA and the merged-weight exporter name them.
 
-Megatron side: one ``lora_A`` / ``lora_B`` pair per Megatron linear, keyed by the Megatron parameter name
-(``decoder.layers.3.self_attention.linear_qkv.lora_A.weight``), in the canonical (tensor-parallel size 1)
-layout. ``lora_A`` is [r, in], ``lora_B`` is [out, r]; the rows of ``lora_B`` follow the rows of the fused
-base weight exactly as megatron-bridge lays them out:
+:class:`BridgeLoraCodec` derives every split from the model family's megatron-bridge mapping registry, with no row
+tables of its own. For a Megatron LoRA module ``decoder.layers.N.<path>`` it takes the bridge mapping of the base
+parameter ``decoder.layers.N.<path>.weight``: the very object that loads and exports that weight (``QKVMapping``,
+``GatedMLPMapping``, ``GDNLinearMappingSeparate``, the per-expert ``GatedMLPMapping`` / ``AutoMapping``,
+``AutoMapping`` for a 1:1 linear). It learns the mapping's split once per config and shape by running the
+mapping's own ``megatron_to_hf`` on a probe: an integer tensor of the base weight's shape whose every row holds
+its row index. Each HF tensor the mapping returns then lists the fused rows it is made of. The probe must come
+back as a partition of the rows (every row in exactly one HF tensor, whole and unchanged); a mapping that does
+anything else is not a row split, and the codec refuses the module instead of guessing.
 
-* ``linear_qkv``: per query group ``[q heads (+ output-gate heads), k head, v head]`` (QKVMapping);
-  Qwen3.5's gated ``q_proj`` keeps ``[q; gate]`` per head.
-* ``linear_fc1`` (dense, shared expert, each expert): ``[gate; up]`` (GatedMLPMapping).
-* GDN ``in_proj``: ``[q, k, v, z, b, a]``; ``in_proj_qkv`` is ``[q; k; v]`` (GDNLinearMappingSeparate).
+``lora_B`` has the row structure of the base weight, so an HF module's B is ``lora_B[rows]``; the ``lora_A`` of
+a fused module is shared, so :meth:`BridgeLoraCodec.to_peft` writes the same A for each HF module and
+:meth:`BridgeLoraCodec.from_peft` refuses A that differ (they cannot be represented exactly in the fused layout).
+``from_peft`` finds the Megatron module of an HF name with the bridge's reverse lookup and scatters the B's back
+into their rows: the exact inverse.
 
-A fused Megatron module shares one ``lora_A`` across the HF modules it covers, so :meth:`to_peft` writes
-the same A for each of them, and :meth:`from_peft` refuses an adapter whose A differ (it cannot be
-represented exactly in the fused layout).
-
-PEFT side: ``base_model.model.<hf module>.lora_A.weight`` / ``lora_B.weight``; experts are addressed per
-expert (``mlp.experts.<e>.gate_proj``), as the checkpoint and vLLM's fused-MoE LoRA name them.
+Megatron is imported on the first conversion, never when a codec is created (handlers create it at import).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -38,125 +46,9 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-_MEGATRON_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
-
 
 class CodecError(ModelSupportError):
     """LoRA tensors do not fit the layout the codec expects."""
-
-
-# How a fused Megatron output dimension splits into HF modules: (HF module suffix, row indices).
-RowSplit = list[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class _Dims:
-    heads: int
-    groups: int
-    head_dim: int
-    output_gate: bool
-    gdn_k: int  # GDN key heads x key head dim
-    gdn_v: int  # GDN value heads x value head dim
-    gdn_heads: int  # GDN value heads
-
-    @classmethod
-    def of(cls, config: Any) -> _Dims:
-        cfg = text_config(config)
-        heads = int(cfg.num_attention_heads)
-        gdn_v_heads = int(getattr(cfg, "linear_num_value_heads", 0) or 0)
-        return cls(
-            heads=heads,
-            groups=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-            output_gate=bool(getattr(cfg, "attn_output_gate", False)),
-            gdn_k=int(getattr(cfg, "linear_num_key_heads", 0) or 0) * int(getattr(cfg, "linear_key_head_dim", 0) or 0),
-            gdn_v=gdn_v_heads * int(getattr(cfg, "linear_value_head_dim", 0) or 0),
-            gdn_heads=gdn_v_heads,
-        )
-
-
-def _arange(start: int, stop: int) -> torch.Tensor:
-    return torch.arange(start, stop)
-
-
-def qkv_rows(d: _Dims) -> RowSplit:
-    """Rows of Megatron's fused ``linear_qkv`` that form HF ``q_proj``, ``k_proj``, ``v_proj`` (in HF order)."""
-    per_group = d.heads // d.groups
-    q_width = 2 * d.head_dim if d.output_gate else d.head_dim
-    group_rows = per_group * q_width + 2 * d.head_dim
-    q, k, v = [], [], []
-    for g in range(d.groups):
-        base = g * group_rows
-        for h in range(per_group):
-            # Megatron holds a group's query heads, then (gated models) their gate heads; HF q_proj is
-            # [q; gate] per head.
-            q.append(_arange(base + h * d.head_dim, base + (h + 1) * d.head_dim))
-            if d.output_gate:
-                gate = base + per_group * d.head_dim + h * d.head_dim
-                q.append(_arange(gate, gate + d.head_dim))
-        kv = base + per_group * q_width
-        k.append(_arange(kv, kv + d.head_dim))
-        v.append(_arange(kv + d.head_dim, kv + 2 * d.head_dim))
-    return [("q_proj", torch.cat(q)), ("k_proj", torch.cat(k)), ("v_proj", torch.cat(v))]
-
-
-def gated_mlp_rows(out_rows: int) -> RowSplit:
-    half = out_rows // 2
-    return [("gate_proj", _arange(0, half)), ("up_proj", _arange(half, out_rows))]
-
-
-def gdn_in_proj_rows(d: _Dims) -> RowSplit:
-    qkv = 2 * d.gdn_k + d.gdn_v
-    return [
-        ("in_proj_qkv", _arange(0, qkv)),
-        ("in_proj_z", _arange(qkv, qkv + d.gdn_v)),
-        ("in_proj_b", _arange(qkv + d.gdn_v, qkv + d.gdn_v + d.gdn_heads)),
-        ("in_proj_a", _arange(qkv + d.gdn_v + d.gdn_heads, qkv + d.gdn_v + 2 * d.gdn_heads)),
-    ]
-
-
-def _gated(_d: _Dims, rows: int) -> RowSplit:
-    return gated_mlp_rows(rows)
-
-
-@dataclass(frozen=True)
-class _Module:
-    """A Megatron LoRA module (path below ``decoder.layers.N.``), its HF parent module, and how it splits.
-
-    ``split`` is a row split of lora_B (fused module) or the single HF module name. ``{e}`` is an expert index.
-    """
-
-    megatron: str
-    hf_parent: str
-    split: Callable[[_Dims, int], RowSplit] | str
-
-    def _regex(self, template: str) -> re.Pattern[str]:
-        return re.compile("^" + re.escape(template).replace(r"\{e\}", r"(?P<e>\d+)") + "$")
-
-    def match_megatron(self, path: str) -> dict[str, str] | None:
-        m = self._regex(self.megatron).match(path)
-        return m.groupdict() if m else None
-
-    def match_hf(self, parent: str) -> dict[str, str] | None:
-        m = self._regex(self.hf_parent).match(parent)
-        return m.groupdict() if m else None
-
-    def names(self, dims: _Dims, rows: int) -> list[str]:
-        return [self.split] if isinstance(self.split, str) else [n for n, _ in self.split(dims, rows)]
-
-
-_MODULES = (
-    _Module("self_attention.linear_qkv", "self_attn", lambda d, _n: qkv_rows(d)),
-    _Module("self_attention.linear_proj", "self_attn", "o_proj"),
-    _Module("self_attention.in_proj", "linear_attn", lambda d, _n: gdn_in_proj_rows(d)),
-    _Module("self_attention.out_proj", "linear_attn", "out_proj"),
-    _Module("mlp.linear_fc1", "mlp", _gated),
-    _Module("mlp.linear_fc2", "mlp", "down_proj"),
-    _Module("mlp.shared_experts.linear_fc1", "mlp.shared_expert", _gated),
-    _Module("mlp.shared_experts.linear_fc2", "mlp.shared_expert", "down_proj"),
-    _Module("mlp.experts.local_experts.{e}.linear_fc1", "mlp.experts.{e}", _gated),
-    _Module("mlp.experts.local_experts.{e}.linear_fc2", "mlp.experts.{e}", "down_proj"),
-)
 
 
 def hf_layers_prefix(config: Any) -> str:
@@ -164,23 +56,177 @@ def hf_layers_prefix(config: Any) -> str:
     return "model.language_model.layers." if text_config(config) is not config else "model.layers."
 
 
-class QwenLoraCodec:
-    """The LoRA codec of the Qwen3 / Qwen3-MoE / Qwen3.5 families (megatron-bridge's fused layouts)."""
+_MEGATRON_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+_DECODER = "decoder.layers."
+_WEIGHT = ".weight"
+# Hand-written: the text model's bridge (the one the Megatron model is built with) names the decoder layers
+# model.layers.; PEFT names use the checkpoint's own prefix (model.language_model.layers. if multimodal).
+_HF_LAYERS = "model.layers."
+# A layer or expert number inside a parameter name: the split of a mapping does not depend on it.
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
-    def __init__(self, name: str = "qwen") -> None:
+# (role in the mapping's ``hf_param``, fused rows of that HF tensor); role "" for a mapping with one HF tensor.
+_RowSplit = list[tuple[str, torch.Tensor]]
+
+
+class _OneRank:
+    """A process group of this rank alone, for the mappings' TP / PP / EP groups.
+
+    Canonical LoRA tensors are whole (the tensor-parallel size 1 layout) on every rank, so the mappings must
+    neither shard nor gather them, whatever parallel state the process runs under.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _hf_params(mapping: Any) -> dict[str, str]:
+    """The HF tensor names of a (resolved) mapping by role."""
+    return {"": mapping.hf_param} if isinstance(mapping.hf_param, str) else dict(mapping.hf_param)
+
+
+def _layer_of(megatron_name: str) -> int:
+    return int(megatron_name[len(_DECODER) :].split(".", 1)[0])
+
+
+@dataclass
+class _Family:
+    """The bridge of one config: its decoder-layer weight mappings, what they read, and the splits learnt so far."""
+
+    codec: str  # the codec's name, for messages
+    registry: Any  # MegatronMappingRegistry of the decoder layers' ``*.weight`` mappings
+    module: SimpleNamespace  # what a mapping gets as the Megatron module
+    layers_prefix: str  # the checkpoint's prefix of the decoder layers (PEFT names)
+    splits: dict[tuple[str, int, int], _RowSplit] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: Any, codec: str) -> _Family:
+        from model_support.core.megatron.builder import text_architecture
+        from model_support.core.megatron.imports import import_bridge
+
+        import_bridge()
+        from megatron.bridge import AutoBridge
+        from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+
+        tcfg = copy.deepcopy(text_config(config))
+        tcfg.architectures = [text_architecture(config)]
+        try:
+            model_bridge = AutoBridge.from_hf_config(tcfg)._model_bridge
+        except ValueError as exc:
+            raise CodecError(
+                f"{codec} codec: megatron-bridge has no bridge for {tcfg.architectures[0]}: {exc}"
+            ) from None
+        # No checkpoint: a bridge that picks expert mappings by the checkpoint's keys (Qwen3.5-MoE) takes its default,
+        # per-expert names (experts.<e>.gate_proj), which is how PEFT and vLLM address experts in any checkpoint.
+        shim = SimpleNamespace(config=tcfg, generation_config=None)
+        model_bridge.hf_pretrained = shim
+        provider = model_bridge.provider_bridge(shim)
+        # Parameters named `<module>.weight`: the linears LoRA wraps (not grouped-GEMM `weight<e>`), so the reverse
+        # lookup of experts.<e>.gate_proj finds the per-expert module local_experts.<e>.linear_fc1.
+        weights = [
+            m
+            for m in model_bridge.mapping_registry().mappings
+            if m.megatron_param.startswith(_DECODER) and m.megatron_param.endswith(_WEIGHT)
+        ]
+        registry = MegatronMappingRegistry(*weights)
+        one = _OneRank()
+        registry.set_process_groups_from_pg_collection(SimpleNamespace(tp=one, pp=one, ep=one, expt_tp=one))
+        # Hand-written: no live Megatron module exists here. The provider carries the sizes the mappings read, and
+        # a canonical tensor is not tensor-parallel (AutoMapping then takes its replicated, pass-through delegate).
+        module = SimpleNamespace(config=provider, tensor_model_parallel=False)
+        return cls(codec, registry, module, hf_layers_prefix(config))
+
+    def lookup(self, megatron_module: str) -> Any:
+        """The mapping of ``<megatron_module>.weight`` (resolved for its layer / expert)."""
+        mapping = self.registry.megatron_to_hf_lookup(megatron_module + _WEIGHT)
+        if mapping is None:
+            path = megatron_module[len(_DECODER) :].split(".", 1)[1]
+            raise CodecError(f"{self.codec} codec: no HF module for Megatron LoRA module {path!r}")
+        return mapping
+
+    def reverse(self, peft_module: str) -> tuple[Any, str]:
+        """(mapping, role) of the HF module named ``peft_module`` (below ``base_model.model.``)."""
+        hf_name = _HF_LAYERS + peft_module[len(self.layers_prefix) :] + _WEIGHT
+        mapping = self.registry.hf_to_megatron_lookup(hf_name)
+        if mapping is None:
+            raise CodecError(f"{self.codec} codec: no Megatron module for {peft_module}")
+        role = next(role for role, name in _hf_params(mapping).items() if name == hf_name)
+        return mapping, role
+
+    def peft_module(self, mapping: Any, role: str) -> str:
+        """The PEFT module name (below ``base_model.model.``) of the mapping's HF tensor ``role``."""
+        hf_name = _hf_params(mapping)[role]
+        if not (hf_name.startswith(_HF_LAYERS) and hf_name.endswith(_WEIGHT)):
+            raise CodecError(
+                f"{self.codec} codec: megatron-bridge maps {mapping.megatron_param} to {hf_name}, not to the weight "
+                "of one HF linear module (a PEFT adapter needs one)"
+            )
+        return self.layers_prefix + hf_name[len(_HF_LAYERS) : -len(_WEIGHT)]
+
+    def split(self, mapping: Any, rows: int, cols: int) -> _RowSplit:
+        """How the mapping splits a fused [rows, cols] weight: the fused rows of each HF tensor, in role order."""
+        key = (_INDEX.sub("*", mapping.megatron_param), rows, cols)
+        if key not in self.splits:
+            self.splits[key] = self._derive(mapping, rows, cols)
+        return self.splits[key]
+
+    def _derive(self, mapping: Any, rows: int, cols: int) -> _RowSplit:
+        module, kind = mapping.megatron_param.removesuffix(_WEIGHT), type(mapping).__name__
+        # Every row holds its index (a broadcast view: memory only where the mapping itself copies rows).
+        probe = torch.arange(rows, dtype=torch.int32).unsqueeze(1).expand(rows, cols)
+        try:
+            parts = mapping.megatron_to_hf(probe, self.module)
+        except Exception as exc:  # the bridge's shape errors (view, split, assert) do not name the module
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            raise CodecError(
+                f"{module}: megatron-bridge's {kind} cannot split a [{rows}, {cols}] weight of this config "
+                f"({type(exc).__name__}: {reason}); does the LoRA match the model?"
+            ) from None
+        order = list(_hf_params(mapping))
+        roles = {name: role for role, name in _hf_params(mapping).items()}
+        found: dict[str, torch.Tensor] = {}
+        for name, part in parts.items():
+            whole_rows = part.ndim == 2 and part.shape[1] == cols and part.dtype == probe.dtype
+            if name not in roles or not whole_rows or not torch.equal(part[:, 0], part[:, -1]):
+                raise CodecError(
+                    f"{module}: megatron-bridge's {kind} does more than select rows of the fused weight "
+                    f"(it returns {name} {tuple(part.shape)}), so a LoRA B cannot be split with it"
+                )
+            found[roles[name]] = part[:, 0].long()
+        used = torch.cat(list(found.values())).sort().values if found else torch.empty(0, dtype=torch.long)
+        if set(found) != set(order) or not torch.equal(used, torch.arange(rows)):
+            raise CodecError(
+                f"{module}: megatron-bridge's {kind} does not place every row of the fused weight in exactly one "
+                "HF tensor (unchanged), so a LoRA B cannot be split with it"
+            )
+        return [(role, found[role]) for role in order]
+
+
+class BridgeLoraCodec:
+    """The LoRA codec of any family whose megatron-bridge mappings split fused weights by rows.
+
+    Every split (fused QKV with or without output gate, gate/up of dense, shared-expert and expert MLPs, GDN
+    ``in_proj``, 1:1 linears) and every HF name comes from the family's bridge, learnt per config on the first
+    :meth:`to_peft` / :meth:`from_peft` and cached.
+    """
+
+    def __init__(self, name: str = "bridge") -> None:
         self.name = name
+        self._families: dict[str, _Family] = {}
 
-    def _resolve(self, path: str) -> tuple[_Module, dict[str, str]]:
-        for module in _MODULES:
-            groups = module.match_megatron(path)
-            if groups is not None:
-                return module, groups
-        raise CodecError(f"{self.name} codec: no HF module for Megatron LoRA module {path!r}")
+    def _family(self, config: Any) -> _Family:
+        key = config.to_json_string()
+        if key not in self._families:
+            self._families[key] = _Family.of(config, self.name)
+        return self._families[key]
 
     def to_peft(self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout) -> dict[str, torch.Tensor]:
-        dims = _Dims.of(config)
-        prefix = PEFT_PREFIX + hf_layers_prefix(config)
-        pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        """Megatron LoRA tensors (canonical layout) -> PEFT tensors named after the HF modules."""
+        family = self._family(config)
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             match = _MEGATRON_KEY.match(key)
             if not match:
@@ -188,78 +234,63 @@ class QwenLoraCodec:
             layer, path, which = match.groups()
             if int(layer) >= layout.num_layers:
                 raise CodecError(f"{key!r}: layer {layer} but the model has {layout.num_layers}")
-            pairs.setdefault((layer, path), {})[which] = value
+            pairs.setdefault(f"{_DECODER}{layer}.{path}", {})[which] = value
         out: dict[str, torch.Tensor] = {}
-        for (layer, path), pair in pairs.items():
+        for module, pair in pairs.items():
             if set(pair) != {"A", "B"}:
-                raise CodecError(f"decoder.layers.{layer}.{path}: needs both lora_A and lora_B")
+                raise CodecError(f"{module}: needs both lora_A and lora_B")
             lora_a, lora_b = pair["A"], pair["B"]
-            module, groups = self._resolve(path)
-            where = f"{prefix}{layer}.{module.hf_parent.format(**groups)}."
-            if isinstance(module.split, str):
-                out[f"{where}{module.split}.lora_A.weight"] = lora_a.clone()
-                out[f"{where}{module.split}.lora_B.weight"] = lora_b.clone()
-                continue
-            split = module.split(dims, lora_b.shape[0])
-            covered = sum(len(rows) for _, rows in split)
-            if covered != lora_b.shape[0]:
-                raise CodecError(
-                    f"decoder.layers.{layer}.{path}: lora_B has {lora_b.shape[0]} rows, the {self.name} layout "
-                    f"for this config covers {covered}"
-                )
-            for hf_name, rows in split:
-                out[f"{where}{hf_name}.lora_A.weight"] = lora_a.clone()
-                out[f"{where}{hf_name}.lora_B.weight"] = lora_b[rows].clone()
+            mapping = family.lookup(module)
+            for role, rows in family.split(mapping, lora_b.shape[0], lora_a.shape[1]):
+                where = PEFT_PREFIX + family.peft_module(mapping, role)
+                out[f"{where}.lora_A.weight"] = lora_a.clone()
+                out[f"{where}.lora_B.weight"] = lora_b[rows].clone()
         return out
 
     def from_peft(
         self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout
     ) -> dict[str, torch.Tensor]:
-        dims = _Dims.of(config)
-        prefix = PEFT_PREFIX + hf_layers_prefix(config)
-        hf_key = re.compile(rf"^{re.escape(prefix)}(\d+)\.(.+)\.([A-Za-z_]+)\.lora_([AB])\.weight$")
-        grouped: dict[tuple[str, str], dict[str, dict[str, torch.Tensor]]] = {}
+        """PEFT tensors -> Megatron LoRA tensors (canonical layout); the exact inverse of :meth:`to_peft`."""
+        family = self._family(config)
+        peft_key = re.compile(rf"^{re.escape(PEFT_PREFIX + family.layers_prefix)}(\d+\..+)\.lora_([AB])\.weight$")
+        grouped: dict[str, tuple[Any, dict[str, dict[str, torch.Tensor]]]] = {}
         for key, value in tensors.items():
-            match = hf_key.match(key)
+            match = peft_key.match(key)
             if not match:
                 raise CodecError(f"{self.name} codec: not a PEFT LoRA tensor of this model: {key!r}")
-            layer, parent, name, which = match.groups()
-            grouped.setdefault((layer, parent), {}).setdefault(name, {})[which] = value
+            peft_module, which = match.groups()
+            mapping, role = family.reverse(family.layers_prefix + peft_module)
+            module = mapping.megatron_param.removesuffix(_WEIGHT)
+            if _layer_of(module) >= layout.num_layers:
+                raise CodecError(f"{key!r}: layer {_layer_of(module)} but the model has {layout.num_layers}")
+            grouped.setdefault(module, (mapping, {}))[1].setdefault(role, {})[which] = value
         out: dict[str, torch.Tensor] = {}
-        for (layer, parent), modules in grouped.items():
-            used: set[str] = set()
-            for module in _MODULES:
-                groups = module.match_hf(parent)
-                if groups is None:
-                    continue
-                rows = sum(modules[n]["B"].shape[0] for n in ("gate_proj", "up_proj") if "B" in modules.get(n, {}))
-                names = module.names(dims, rows)
-                present = [n for n in names if n in modules]
-                if not present:
-                    continue
-                if len(present) != len(names) or any(set(modules[n]) != {"A", "B"} for n in names):
-                    raise CodecError(f"layer {layer} {parent}: needs lora_A and lora_B of all of {names}")
-                lora_a = modules[names[0]]["A"]
-                for n in names[1:]:
-                    if not torch.equal(modules[n]["A"], lora_a):
-                        raise CodecError(
-                            f"layer {layer} {parent}.{n}: lora_A differs from {names[0]}'s; the fused Megatron "
-                            f"module {module.megatron} has one lora_A"
-                        )
-                if isinstance(module.split, str):
-                    lora_b = modules[module.split]["B"]
-                else:
-                    split = module.split(dims, rows)
-                    lora_b = lora_a.new_empty((sum(len(r) for _, r in split), lora_a.shape[0]))
-                    for n, r in split:
-                        lora_b[r] = modules[n]["B"]
-                target = f"decoder.layers.{layer}.{module.megatron.format(**groups)}"
-                out[f"{target}.lora_A.weight"] = lora_a.clone()
-                out[f"{target}.lora_B.weight"] = lora_b.clone()
-                used.update(names)
-            leftover = sorted(set(modules) - used)
-            if leftover:
-                raise CodecError(f"{self.name} codec: no Megatron module for layer {layer} {parent}.{leftover[0]}")
+        for module, (mapping, by_role) in grouped.items():
+            names = {role: family.peft_module(mapping, role) for role in _hf_params(mapping)}
+            if set(by_role) != set(names) or any(set(pair) != {"A", "B"} for pair in by_role.values()):
+                raise CodecError(f"{module}: needs lora_A and lora_B of all of {list(names.values())}")
+            first, *others = names
+            lora_a = by_role[first]["A"]
+            for role in others:
+                if not torch.equal(by_role[role]["A"], lora_a):
+                    leaf = names[first].rsplit(".", 1)[-1]
+                    raise CodecError(
+                        f"{names[role]}: lora_A differs from {leaf}'s; the fused Megatron module {module} has one "
+                        "lora_A"
+                    )
+            rank = lora_a.shape[0]
+            rows = sum(pair["B"].shape[0] for pair in by_role.values())
+            lora_b = by_role[first]["B"].new_empty((rows, rank))
+            for role, index in family.split(mapping, rows, lora_a.shape[1]):
+                part = by_role[role]["B"]
+                if tuple(part.shape) != (len(index), rank):
+                    raise CodecError(
+                        f"{names[role]}: lora_B is {tuple(part.shape)}, the bridge's split of {module} needs "
+                        f"{(len(index), rank)}"
+                    )
+                lora_b[index] = part
+            out[f"{module}.lora_A.weight"] = lora_a.clone()
+            out[f"{module}.lora_B.weight"] = lora_b
         return out
 
 

@@ -1,7 +1,7 @@
 """Qwen3 dense and Qwen3 MoE."""
 
 from model_support.core import targets
-from model_support.core.codecs import QwenLoraCodec
+from model_support.core.codecs import BridgeLoraCodec
 from model_support.core.spec import DependencyFloor, HandlerSpec, Topology, VllmLora
 from model_support.handlers.configs import CONFIGS
 
@@ -11,7 +11,8 @@ _MEGATRON = (
     DependencyFloor("megatron-core", "0.19.2", "local-spec GPTModel the bridge targets", extra="megatron"),
     DependencyFloor("megatron-bridge", "0.6.2", "Qwen3Bridge / Qwen3MoEBridge weight mappings", extra="megatron"),
 )
-_CODEC = QwenLoraCodec("qwen3")
+# LoRA splits derived from the Qwen3 / Qwen3-MoE bridges' own mappings.
+_CODEC = BridgeLoraCodec("qwen3")
 
 QWEN3 = HandlerSpec(
     name="qwen3",

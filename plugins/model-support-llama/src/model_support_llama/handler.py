@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from model_support.core import targets
-from model_support.core.codecs import QwenLoraCodec
+from model_support.core.codecs import BridgeLoraCodec
 from model_support.core.spec import DependencyFloor, HandlerSpec, Topology, VllmLora
 
 # meta-llama/Llama-3.2-1B's config.json: 16 layers, hidden 2048, 32 heads / 8 KV heads, llama3 RoPE scaling.
@@ -18,8 +18,8 @@ LLAMA = HandlerSpec(
     # The same module names as Qwen3 dense: q/k/v/o_proj fused into linear_qkv, gate/up into linear_fc1.
     lora_targets=targets.ATTENTION + targets.DENSE_MLP,
     vllm_lora=VllmLora(native=True, reason="vLLM's LlamaForCausalLM implements SupportsLoRA"),
-    # Megatron fuses Llama's modules exactly like Qwen3 dense (QKV by query group, [gate; up]): same codec.
-    codec=QwenLoraCodec("llama"),
+    # LoRA splits derived from LlamaBridge's own mappings (QKV by query group, [gate; up]).
+    codec=BridgeLoraCodec("llama"),
     dependencies=(
         DependencyFloor("transformers", "4.43.0", "llama3 RoPE scaling of Llama 3.1+ configs"),
         DependencyFloor("megatron-bridge", "0.6.2", "LlamaBridge weight mappings", extra="megatron"),
