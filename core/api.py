@@ -51,6 +51,7 @@ __all__ = [
     "merged_weights",
     "push_weights",
     "resolve",
+    "save_merged",
     "serve",
     "token_logprobs",
 ]
@@ -201,6 +202,31 @@ def merged_weights(
     from model_support.core.serving.export import buckets
 
     return buckets(hf_weights(model.built), bucket_bytes)
+
+
+def save_merged(model: TrainingModel, out_dir: str | Path, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
+    """Write :func:`merged_weights` as a servable checkpoint (shards, index, the checkpoint's config and tokenizer
+    files) at ``out_dir``, atomically: a failure leaves no directory there. Every rank iterates; rank 0 writes."""
+    import torch.distributed as dist
+
+    from model_support.core.serving.export import CheckpointWriter
+
+    writer = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        writer = CheckpointWriter(Path(out_dir), support_from=model.model_dir)
+    try:
+        for bucket in merged_weights(model, bucket_bytes=bucket_bytes):
+            if writer is not None:
+                writer.write_shard(bucket)
+        if writer is not None:
+            writer.commit()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(out_dir)
 
 
 def serve(

@@ -24,7 +24,7 @@ from model_support.core import api
 from model_support.core.codecs import load_peft_adapter
 from model_support.core.megatron.session import LORA_RANK, megatron_lora, training_model
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
-from model_support.core.serving.export import CheckpointWriter, base_tensors, buckets
+from model_support.core.serving.export import base_tensors, buckets
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.core.validate import TargetCoverageError, checkpoint_modules, uncovered_targets
@@ -147,14 +147,7 @@ def serve_policy(ctx: CheckContext) -> Server:
     those merged weights written as a checkpoint (``<handler>-policy``)."""
     if inplace_gap(ctx) is not None:
         if POLICY_SERVER_KEY not in ctx.artifacts:
-            writer = CheckpointWriter(serving_workdir(ctx) / "policy-weights", support_from=ctx.model_dir)
-            try:
-                for bucket in api.merged_weights(policy_model(ctx)):
-                    writer.write_shard(bucket)
-                weights = writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
+            weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
             ctx.artifacts[POLICY_SERVER_KEY] = backend().serve(
                 weights, f"{ctx.spec.name}-policy", serve_options(ctx), serving_workdir(ctx) / "vllm-policy.log"
             )

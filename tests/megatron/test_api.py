@@ -72,3 +72,22 @@ def test_resolve_names_what_is_wrong(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
     with pytest.raises(ModelSupportError, match="NoSuchForCausalLM"):
         api.resolve(tmp_path)
+
+
+def test_save_merged_writes_a_servable_checkpoint_of_the_live_weights(qwen35, tmp_path):
+    from safetensors import safe_open
+
+    from model_support.core.serving.errors import ExportError
+
+    load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=8, b_std=0.05))
+    out = api.save_merged(qwen35, tmp_path / "merged", bucket_bytes=1 << 20)
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    live = {k: v for bucket in api.merged_weights(qwen35) for k, v in bucket.items()}
+    saved = {}
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            saved |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    assert set(saved) == set(live) and all(torch.equal(saved[k], live[k]) for k in live)
+    with pytest.raises(ExportError, match="already exists"):
+        api.save_merged(qwen35, out)
+    assert not list(tmp_path.glob(".merged.partial"))
