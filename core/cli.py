@@ -259,6 +259,45 @@ def check(
 
 
 @app.command()
+def selftest(
+    mutation: Annotated[
+        list[str] | None, typer.Option("--mutation", "-m", help="Run only this mutation (repeatable).")
+    ] = None,
+    markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Write the outcomes as Markdown.")] = None,
+    workdir: Annotated[Path | None, typer.Option(help="Keep the runs' files here, one subdirectory per run.")] = None,
+) -> None:
+    """Inject named bugs into the real code path on tiny replicas: each must make its stage fail, and the same
+    stages must pass without it. Exit status 1 when a bug went uncaught or a clean run failed."""
+    from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
+    from model_support.validation.selftest import markdown_table, run_selftest
+
+    if markdown_out is not None:
+        check_report_path("--markdown", markdown_out)
+    if workdir is not None:
+        check_workdir(workdir)
+    work = start_run_dir(workdir)
+    outcomes = []
+    try:
+
+        def show(o: Any) -> None:
+            verdict = "ok" if o.ok else ("NOT CAUGHT" if o.name != "clean" else "CLEAN RUN FAILED")
+            err.print(f"  {o.name} ({o.handler}, {o.stage}): {o.status}: {verdict}", markup=False, highlight=False)
+
+        outcomes = run_selftest(work, mutation, on_outcome=show)
+    finally:
+        finish_run_dir(work, keep=workdir is not None or not all(o.ok for o in outcomes))
+    table = markdown_table(outcomes)
+    if markdown_out is not None:
+        markdown_out.write_text(table)
+    bad = [o for o in outcomes if not o.ok]
+    caught = sum(1 for o in outcomes if o.name != "clean" and o.ok and o.status == "fail")
+    console.print(
+        f"{caught} bug(s) caught, {len(bad)} problem(s): {', '.join(o.name for o in bad) or 'none'}", markup=False
+    )
+    raise typer.Exit(1 if bad else 0)
+
+
+@app.command()
 def replica(
     target: Annotated[str, typer.Argument(help="Model dir, config.json, cached hub id, handler or architecture.")],
     out: Annotated[Path, typer.Argument(help="Directory to write the replica to (must not exist or be empty).")],

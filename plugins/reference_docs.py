@@ -235,8 +235,29 @@ def stages_page() -> str:
         for doc in (module_doc, inspect.cleandoc(class_doc) if class_doc else ""):
             if doc:
                 lines += ["", doc]
+    lines += ["", *_selftest_section()]
     lines.append("")
     return "\n".join(lines)
+
+
+def _selftest_section() -> list[str]:
+    """The catalogue of ``model-support selftest``: each injected bug and the stage that must catch it."""
+    from model_support.validation import selftest
+
+    lines = [
+        "## Selftest: the bugs each stage must catch",
+        "",
+        inspect.getdoc(selftest) or "",
+        "",
+        "`model-support selftest [--mutation NAME] [--markdown FILE]` runs them; the tests run the whole",
+        "catalogue (`tests/test_selftest.py`).",
+        "",
+    ]
+    rows = [
+        (f"`{m.name}`", m.bug, m.handler, f"`{m.stage}`" + (" (vLLM)" if m.needs_server else ""))
+        for m in selftest.MUTATIONS
+    ]
+    return lines + _table(("mutation", "bug injected", "tiny replica", "must fail"), rows)
 
 
 def _param_row(param: Any) -> tuple[str, ...]:

@@ -39,6 +39,15 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def tensor_names(model_dir: Path) -> Iterator[str]:
+    """Every tensor name of the checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as fh:
+            yield from fh.keys()
+
+
 def base_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, one at a time, in file order."""
     from safetensors import safe_open

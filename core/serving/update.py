@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model_support.core.serving.export import CheckpointWriter
+from model_support.core.serving.errors import ServingError
+from model_support.core.serving.export import CheckpointWriter, tensor_names
 
 if TYPE_CHECKING:
     from model_support.core.serving.backend import Server
@@ -47,6 +48,7 @@ class WeightUpdater:
         self.model, self.step = parse_served_name(server.served_name)
         self.staging_root, self.support_from = Path(staging_root), Path(support_from)
         self._loaded: Path | None = None
+        self._expected: set[str] | None = None
 
     def update(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
         """Stage every bucket, then load the step in place and advance the name; returns the new served name.
@@ -57,6 +59,7 @@ class WeightUpdater:
         try:
             for bucket in buckets:
                 writer.write_shard(bucket)
+            self._check_complete(writer.weight_map)
             weights_dir = writer.commit()
         except BaseException:
             writer.abort()
@@ -68,3 +71,15 @@ class WeightUpdater:
             shutil.rmtree(self._loaded, ignore_errors=True)
         self._loaded = weights_dir
         return self.server.served_name
+
+    def _check_complete(self, pushed: Mapping[str, str]) -> None:
+        """A step must carry exactly the served checkpoint's tensors: vLLM would keep whatever a partial update
+        leaves out in an undefined state (a tensor left out of a reload serves NaN on the CPU build)."""
+        if self._expected is None:
+            self._expected = set(tensor_names(self.support_from))
+        missing, extra = sorted(self._expected - set(pushed)), sorted(set(pushed) - self._expected)
+        if missing or extra:
+            raise ServingError(
+                f"the update to {served_name(self.model, self.step + 1)} does not match the served checkpoint: "
+                f"{len(missing)} tensor(s) missing {missing[:3]}, {len(extra)} unknown {extra[:3]}; nothing was applied"
+            )

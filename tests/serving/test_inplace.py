@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from model_support.core.serving.backend import Server, get_backend
-from model_support.core.serving.errors import ServerError
-from model_support.core.serving.export import buckets, export_merged, merged_tensors
+from model_support.core.serving.errors import ServerError, ServingError
+from model_support.core.serving.export import base_tensors, buckets, export_merged, merged_tensors
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.handlers import BUILTIN_HANDLERS
 from tests.serving.adapters import random_adapter
@@ -92,11 +92,20 @@ def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path)
     assert not list(server.process.log_path.parent.glob("qwen3-weights/.step-*.partial"))
 
 
+def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir):
+    server = qwen3_server
+    name, before = server.served_name, _served(server)
+    partial = [{k: v for k, v in b.items() if k != "model.layers.0.self_attn.q_proj.weight"} for b in
+               buckets(base_tensors(tiny_model_dir("qwen3")), max_bytes=1 << 30)]  # fmt: skip
+    with pytest.raises(ServingError, match=r"1 tensor\(s\) missing \['model.layers.0.self_attn.q_proj.weight'\]"):
+        server.update_weights(partial)
+    assert server.models() == [name]
+    assert (_served(server) - before).abs().max().item() < 1e-6
+
+
 @pytest.mark.slow
 def test_the_cpu_build_still_cannot_reload_moe_weights_in_place(runtime, tiny_model_dir, tmp_path):
     """The measurement behind session.CPU_MOE_RELOAD_GAP: when it stops holding, remove the gap."""
-    from model_support.core.serving.export import base_tensors
-
     if runtime.flavor != "cpu":
         pytest.skip("a gap of the CPU build")
     model = tiny_model_dir("qwen3-moe")

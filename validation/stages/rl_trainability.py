@@ -106,7 +106,7 @@ class RlTrainabilityStage(Stage):
         for module in lora_modules(model.module).values():
             torch.nn.init.kaiming_uniform_(module.lora_A.weight, a=5**0.5)
             torch.nn.init.zeros_(module.lora_B.weight)
-        base = {n: fingerprint(p) for n, p in model.module.named_parameters() if not p.requires_grad}
+        base = {n: fingerprint(p) for n, p in model.module.named_parameters() if ".lora_" not in n}
         params = [p for p in model.module.parameters() if p.requires_grad]
         tcfg = text_config(ctx.config)
         lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))

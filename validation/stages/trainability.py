@@ -74,7 +74,7 @@ class TrainabilityStage(Stage):
 
         device = next(model.parameters()).device
         ends, choices, targets = ends.to(device), choices.to(device), targets.to(device)
-        base = {n: fingerprint(p) for n, p in model.named_parameters() if not p.requires_grad}
+        base = {n: fingerprint(p) for n, p in model.named_parameters() if ".lora_" not in n}
         params = [p for p in model.parameters() if p.requires_grad]
         tcfg = text_config(ctx.config)
         lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))

@@ -1,0 +1,320 @@
+"""``model-support selftest``: named bugs injected into the real code path; each must make its stage fail.
+
+A check that no bug can break proves nothing. Each `Mutation` patches one function or method of this
+project at run time (``unittest.mock.patch``: the code under test is the real one, with one thing wrong), runs
+``check --tiny`` of one built-in handler over the stage that must catch it (and that stage's prerequisites), and
+records whether that stage failed. The same stages, unpatched, must pass: a clean run is part of the selftest.
+Mutations that need a vLLM server skip where no runtime is installed. CI runs the selftest, so a stage that stops
+being able to fail breaks CI.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One injected bug: what is wrong, on which tiny replica, and the stage that must fail because of it."""
+
+    name: str
+    bug: str
+    handler: str
+    stage: str
+    patch: Callable[[], AbstractContextManager[Any]]
+    needs_server: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A mutation's (or a clean run's) result: ``ok`` when the stage failed under the bug (passed when clean)."""
+
+    name: str
+    bug: str
+    handler: str
+    stage: str
+    status: str
+    summary: str
+    ok: bool
+
+
+# --- the mutations -------------------------------------------------------------------------------------------------
+
+
+def _swap_pairs(tensors: dict[str, torch.Tensor], first: str, second: str) -> dict[str, torch.Tensor]:
+    out = dict(tensors)
+    for key in tensors:
+        if f".{first}.lora_B" in key:
+            other = key.replace(f".{first}.", f".{second}.")
+            out[key], out[other] = tensors[other], tensors[key]
+    return out
+
+
+@contextmanager
+def _codec_output(rewrite: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Iterator[None]:
+    """The codec's PEFT tensors rewritten on the way out and, inverted, on the way in (a self-consistent bug)."""
+    from model_support.core.codecs import BridgeLoraCodec
+
+    to_peft, from_peft = BridgeLoraCodec.to_peft, BridgeLoraCodec.from_peft
+
+    def patched_to(self: Any, tensors: Any, config: Any, layout: Any) -> dict[str, torch.Tensor]:
+        return rewrite(to_peft(self, tensors, config, layout))
+
+    def patched_from(self: Any, tensors: Any, config: Any, layout: Any) -> dict[str, torch.Tensor]:
+        return from_peft(self, rewrite(dict(tensors)), config, layout)
+
+    with (
+        mock.patch.object(BridgeLoraCodec, "to_peft", patched_to),
+        mock.patch.object(BridgeLoraCodec, "from_peft", patched_from),
+    ):
+        yield
+
+
+def _gate_up_swapped() -> AbstractContextManager[None]:
+    return _codec_output(lambda t: _swap_pairs(t, "gate_proj", "up_proj"))
+
+
+def _experts_off_by_one() -> AbstractContextManager[Any]:
+    from model_support.core.codecs import BridgeLoraCodec
+
+    to_peft = BridgeLoraCodec.to_peft
+
+    def patched(self: Any, tensors: Any, config: Any, layout: Any) -> dict[str, torch.Tensor]:
+        peft = to_peft(self, tensors, config, layout)
+        count = 1 + max(int(m.group(1)) for k in peft if (m := re.search(r"\.experts\.(\d+)\.", k)))
+        return {
+            re.sub(r"\.experts\.(\d+)\.", lambda m: f".experts.{(int(m.group(1)) + 1) % count}.", k): v
+            for k, v in peft.items()
+        }
+
+    return mock.patch.object(BridgeLoraCodec, "to_peft", patched)
+
+
+def _split_rewritten(kind: str, rewrite: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> Any:
+    """The codec's learnt split of every ``kind`` mapping (e.g. ``QKVMapping``) rewritten."""
+    from model_support.core.codecs import _Family
+
+    original = _Family.split
+
+    def patched(self: Any, mapping: Any, rows: int, cols: int) -> list[tuple[str, torch.Tensor]]:
+        split = original(self, mapping, rows, cols)
+        return rewrite(split) if type(mapping).__name__ == kind else split
+
+    return mock.patch.object(_Family, "split", patched)
+
+
+def _qkv_by_head() -> AbstractContextManager[Any]:
+    def contiguous(split: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        out, start = [], 0
+        for role, rows in split:  # [all q; all k; all v] instead of interleaved per query group
+            out.append((role, torch.arange(start, start + len(rows))))
+            start += len(rows)
+        return out
+
+    return _split_rewritten("QKVMapping", contiguous)
+
+
+def _gdn_b_a_swapped() -> AbstractContextManager[Any]:
+    def swap(split: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        rows = dict(split)
+        roles = [role for role, _ in split]
+        b, a = roles[-2], roles[-1]  # in_proj_b and in_proj_a: the last two sections, of equal size
+        rows[b], rows[a] = rows[a], rows[b]
+        return [(role, rows[role]) for role in roles]
+
+    return _split_rewritten("GDNLinearMappingSeparate", swap)
+
+
+def _lora_scale_alpha() -> AbstractContextManager[Any]:
+    from model_support.core.megatron.lora import LoraLinear
+
+    init = LoraLinear.__init__
+
+    def patched(self: LoraLinear, base: Any, rank: int, alpha: float, sections: list[int]) -> None:
+        init(self, base, rank, alpha, sections)
+        self.scale = alpha  # PEFT scales by alpha / r
+
+    return mock.patch.object(LoraLinear, "__init__", patched)
+
+
+def _lora_branch_dropped() -> AbstractContextManager[Any]:
+    from model_support.core.megatron.lora import LoraLinear
+
+    def forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.base(x, *args, **kwargs)
+
+    return mock.patch.object(LoraLinear, "forward", forward)
+
+
+def _base_left_trainable() -> AbstractContextManager[Any]:
+    from model_support.core import api
+
+    apply = api.apply_lora
+
+    def patched(model: Any, **kw: Any) -> Any:
+        report = apply(model, **kw)
+        model.module.embedding.word_embeddings.weight.requires_grad_(True)
+        return report
+
+    return mock.patch.object(api, "apply_lora", patched)
+
+
+def _boundaries_ignored() -> AbstractContextManager[Any]:
+    def one_sequence(position_ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([0, position_ids.numel()], dtype=torch.int32, device=position_ids.device)
+
+    return mock.patch("model_support.core.megatron.forward.cu_seqlens_from_position_ids", one_sequence)
+
+
+def _gdn_state_not_reset() -> AbstractContextManager[Any]:
+    return mock.patch("model_support.core.megatron.forward.gdn_packing", lambda model, cu_seqlens: nullcontext())
+
+
+def _model_mutated(mutate: Callable[[torch.nn.Module], None]) -> AbstractContextManager[Any]:
+    """The Megatron model as built through the API, with one weight mis-placed."""
+    from model_support.core import api
+
+    build = api.build_model
+
+    def patched(*args: Any, **kw: Any) -> Any:
+        model = build(*args, **kw)
+        with torch.no_grad():
+            mutate(model.module)
+        return model
+
+    return mock.patch.object(api, "build_model", patched)
+
+
+def _router_rolled() -> AbstractContextManager[Any]:
+    def roll(model: torch.nn.Module) -> None:
+        router = model.decoder.layers[1].mlp.router
+        router.weight.copy_(router.weight.roll(1, dims=0))
+
+    return _model_mutated(roll)
+
+
+def _gdn_q_k_swapped() -> AbstractContextManager[Any]:
+    def swap(model: torch.nn.Module) -> None:
+        gdn = model.decoder.layers[0].self_attention
+        q, k = gdn.sections[0], gdn.sections[1]
+        weight = gdn.in_proj.weight
+        weight[: q + k] = torch.cat([weight[q : q + k], weight[:q]]).clone()
+
+    return _model_mutated(swap)
+
+
+def _pushed_weights(rewrite: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Any:
+    from model_support.core import api
+
+    merged = api.merged_weights
+
+    def patched(model: Any, **kw: Any) -> Iterator[dict[str, torch.Tensor]]:
+        for bucket in merged(model, **kw):
+            yield rewrite(bucket)
+
+    return mock.patch.object(api, "merged_weights", patched)
+
+
+_Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _served_q_halves_swapped() -> AbstractContextManager[Any]:
+    return _pushed_weights(lambda b: {**b, _Q: torch.cat(b[_Q].chunk(2)[::-1])} if _Q in b else b)
+
+
+def _export_drops_a_tensor() -> AbstractContextManager[Any]:
+    return _pushed_weights(lambda b: {k: v for k, v in b.items() if k != _Q})
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("gate-up-swapped", "codec reads Megatron's fused fc1 as [up; gate]", "qwen3", "lora_coverage",
+             _gate_up_swapped),
+    Mutation("qkv-split-by-head", "codec splits linear_qkv as [q; k; v], not per query group", "qwen3",
+             "lora_coverage", _qkv_by_head),
+    Mutation("expert-index-off-by-one", "codec names expert e's LoRA as expert e+1", "qwen3-moe", "lora_coverage",
+             _experts_off_by_one),
+    Mutation("gdn-in-proj-b-a-swapped", "codec swaps GDN in_proj's b and a sections", "qwen3.5", "lora_coverage",
+             _gdn_b_a_swapped),
+    Mutation("lora-scale-alpha", "LoRA scaled by alpha instead of alpha / r", "qwen3", "lora_coverage",
+             _lora_scale_alpha),
+    Mutation("lora-branch-dropped", "LoRA linears return the base output only", "qwen3", "lora_coverage",
+             _lora_branch_dropped),
+    Mutation("base-weight-trainable", "the embedding is left trainable beside LoRA", "qwen3", "trainability",
+             _base_left_trainable),
+    Mutation("packed-boundaries-ignored", "a packed row is one sequence (position ids do not restart)", "qwen3",
+             "packed_position_ids", _boundaries_ignored),
+    Mutation("gdn-state-not-reset", "GDN layers carry state across packed sequence boundaries", "qwen3.5",
+             "packed_position_ids", _gdn_state_not_reset),
+    Mutation("router-rows-rolled", "one MoE router's expert rows off by one", "qwen3-moe", "hf_parity",
+             _router_rolled),
+    Mutation("gdn-q-k-swapped", "one GDN layer's in_proj q and k rows exchanged in Megatron", "qwen3.5", "hf_parity",
+             _gdn_q_k_swapped),
+    Mutation("served-q-halves-swapped", "pushed weights: layer 0's query heads in the wrong order", "qwen3",
+             "rl_trainability", _served_q_halves_swapped, needs_server=True),
+    Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
+             "merged_serving", _export_drops_a_tensor, needs_server=True),
+)  # fmt: skip
+
+
+# --- running them --------------------------------------------------------------------------------------------------
+
+
+def _stage_result(handler: str, stage: str, workdir: Path) -> Any:
+    from model_support.plugins.pytest_plugin import CheckRequest, run_check
+
+    report = run_check(CheckRequest(target=handler, tiny=True, stages=(stage,)), workdir)
+    return next(r for r in report.results if r.stage == stage)
+
+
+def run_selftest(
+    workdir: Path, names: Sequence[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None
+) -> list[Outcome]:
+    """Clean runs, then every selected mutation (all when ``names`` is empty), in catalogue order."""
+    from model_support.core.errors import ModelSupportError
+    from model_support.core.serving.session import backend
+
+    chosen = [m for m in MUTATIONS if not names or m.name in names]
+    unknown = sorted(set(names or ()) - {m.name for m in MUTATIONS})
+    if unknown:
+        raise ModelSupportError(
+            f"unknown mutation(s) {', '.join(unknown)}; known: {', '.join(m.name for m in MUTATIONS)}"
+        )
+    no_server = backend().unavailable_reason()
+    outcomes: list[Outcome] = []
+
+    def record(outcome: Outcome) -> None:
+        outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+
+    runnable = [m for m in chosen if not (m.needs_server and no_server)]
+    for handler, stage in dict.fromkeys((m.handler, m.stage) for m in runnable):
+        result = _stage_result(handler, stage, workdir / f"clean-{handler}-{stage}")
+        ok = result.status == "pass"
+        record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, ok))
+    for m in chosen:
+        if m.needs_server and no_server:
+            record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
+            continue
+        with m.patch():
+            result = _stage_result(m.handler, m.stage, workdir / m.name)
+        record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
+    return outcomes
+
+
+def markdown_table(outcomes: Sequence[Outcome]) -> str:
+    """The outcomes as a Markdown table (the one docs/stages.md carries)."""
+    lines = ["| mutation | bug | handler | must fail | result | caught |", "| --- | --- | --- | --- | --- | --- |"]
+    for o in outcomes:
+        verdict = ("passed (clean)" if o.ok else "FAILED (clean)") if o.name == "clean" else ("yes" if o.ok else "NO")
+        summary = o.summary.replace("|", "\\|")
+        lines.append(f"| {o.name} | {o.bug} | {o.handler} | {o.stage} | {o.status}: {summary} | {verdict} |")
+    return "\n".join(lines) + "\n"
