@@ -60,9 +60,27 @@ def import_bridge() -> types.ModuleType:
     previous = logging.root.manager.disable
     logging.disable(logging.INFO)
     try:
-        return _import_bridge()
+        bridge = _import_bridge()
     finally:
         logging.disable(previous)
+    _register_plugin_bridges()
+    return bridge
+
+
+def _register_plugin_bridges() -> None:
+    """Call every plugin's ``model_support_megatron_bridges`` registrars (a failure names the plugin)."""
+    from model_support.plugins.manager import load_plugins
+
+    loaded = load_plugins()
+    for impl in loaded.manager.hook.model_support_megatron_bridges.get_hookimpls():
+        try:
+            for register in impl.function():
+                register()
+        except Exception as exc:  # a third party's registration code: any error, reported as one line
+            raise MegatronUnavailableError(
+                f"plugin {impl.plugin_name!r} failed to register its megatron-bridge bridge "
+                f"({type(exc).__name__}: {exc}); fix or uninstall the plugin"
+            ) from None
 
 
 def _import_bridge() -> types.ModuleType:

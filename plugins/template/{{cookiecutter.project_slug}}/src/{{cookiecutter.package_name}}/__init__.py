@@ -13,3 +13,7 @@ __all__ = ["HANDLER", "model_support_handlers"]
 @hookimpl
 def model_support_handlers() -> Sequence[HandlerSpec]:
     return [HANDLER]
+
+
+# If megatron-bridge has no bridge for this family, ship one and register it lazily with the
+# `model_support_megatron_bridges` hook (docs/adding-a-model.md, "A family megatron-bridge lacks").
