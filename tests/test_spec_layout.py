@@ -10,7 +10,15 @@ import transformers
 
 from model_support.core import targets
 from model_support.core.layout import derive_layout, mtp_layers
-from model_support.core.spec import HandlerSpec, LoraTarget, SpecError, TargetScope, Topology, VllmLora
+from model_support.core.spec import (
+    HandlerSpec,
+    LoraTarget,
+    RuntimePolicy,
+    SpecError,
+    TargetScope,
+    Topology,
+    VllmLora,
+)
 from model_support.core.validate import build_meta_model, layout_problems, missing_targets
 from model_support.handlers import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
 
@@ -41,6 +49,11 @@ def test_declaration_is_frozen_and_lists_targets_once():
         ({"lora_targets": targets.ATTENTION + targets.ATTENTION}, "'linear_qkv' (attention) declared twice"),
         ({"vllm_lora": VllmLora(native=False, reason=" ")}, "a merged-only vLLM LoRA status needs a reason"),
         ({"codec": object()}, "codec does not implement LoraCodec"),
+        ({"runtime": RuntimePolicy(cpu_serving_dtype="bfloat16")}, "a cpu_serving_dtype needs a cpu_serving_reason"),
+        (
+            {"runtime": RuntimePolicy(cpu_serving_dtype="bf16", cpu_serving_reason="x")},
+            "cpu_serving_dtype must be bfloat16, float16 or float32, got 'bf16'",
+        ),
     ],
 )
 def test_inconsistent_declarations_are_rejected(change, message):

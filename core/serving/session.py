@@ -67,12 +67,22 @@ def inplace_gap(ctx: CheckContext) -> str | None:
     return None
 
 
-def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptions:
-    """The checkpoint's own dtype (vLLM's "auto" would run fp32 checkpoints in bf16 on CPU), except that CPU
-    vLLM runs Gated DeltaNet only in bf16 (its CPU GDN kernel asserts "CPU GDN attention requires BF16")."""
-    cpu = load_runtime().flavor == "cpu"
+def serving_dtype(ctx: CheckContext) -> tuple[str, str]:
+    """(dtype, why): the checkpoint's own (vLLM's "auto" would run fp32 checkpoints in bf16 on CPU), unless the
+    handler's runtime policy names another for the CPU build."""
+    policy = ctx.spec.runtime
+    if policy.cpu_serving_dtype is not None and load_runtime().flavor == "cpu":
+        return (
+            policy.cpu_serving_dtype,
+            f"{ctx.spec.name}'s runtime policy on the CPU build: {policy.cpu_serving_reason}",
+        )
     stored = str(getattr(ctx.config.get_text_config(), "dtype", None) or "auto").removeprefix("torch.")
-    dtype = "bfloat16" if cpu and ctx.spec.linear_attention else stored
+    return stored, "the checkpoint's own"
+
+
+def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptions:
+    """How the run's servers start: :func:`serving_dtype`, LoRA as asked, the model's MoE and multimodal shape."""
+    dtype, _ = serving_dtype(ctx)
     return ServeOptions(
         dtype=dtype,
         enable_lora=enable_lora,

@@ -115,6 +115,7 @@ class MergedServingStage(Stage):
             "served_model": server.served_name,
         }
         details = [
+            "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
             f"adapter: {origin}; merged into the fp32 transformers reference",
             f"policy weights merged in the Megatron model ({session.policy_model(ctx).describe()}), "
             + (

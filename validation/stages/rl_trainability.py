@@ -191,6 +191,7 @@ class RlTrainabilityStage(Stage):
         limits = mismatch_tolerance(server.options.dtype)
         thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
         details = [
+            "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
             "reward per step: " + ", ".join(f"{r:.3f}" for r in rewards),
             "server vs Megatron per step (mean KL / max |delta|): "
             + ", ".join(f"{s['kl_mean']:.1e}/{s['abs_delta_logprob_max']:.1e}" for s in steps),

@@ -94,6 +94,7 @@ class TrainInferenceMismatchStage(Stage):
             f"{metrics['sampled_tokens']} sampled tokens, server vs Megatron: mean KL {metrics['kl_mean']:.2e}, "
             f"max |delta| {metrics['abs_delta_logprob_max']:.2e}",
             [
+                "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
                 f"adapter: {origin}",
                 f"trainer: the Megatron model ({session.policy_model(ctx).describe()}); hf_*: transformers fp32, "
                 "adapter merged",
