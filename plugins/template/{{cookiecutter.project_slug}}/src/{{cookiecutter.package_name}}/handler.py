@@ -34,6 +34,13 @@ HANDLER = HandlerSpec(
     # Whether vLLM serves a LoRA adapter for this architecture natively (else: merged weights only).
     vllm_lora=VllmLora(native={{ cookiecutter.vllm_lora_native }}, reason="{{ cookiecutter.vllm_lora_reason }}"),
     dependencies=(DependencyFloor("transformers", "{{ cookiecutter.transformers_floor }}", "wrote the reference config"),),
-    runtime=RuntimePolicy(disable_mtp_for_training={{ cookiecutter.disable_mtp_for_training }}),
+    runtime=RuntimePolicy(
+        disable_mtp_for_training={{ cookiecutter.disable_mtp_for_training }},
+        {%- if cookiecutter.linear_attention %}
+        # vLLM's CPU build runs Gated DeltaNet in bf16 only: the serving stages serve and judge in bf16 there.
+        cpu_serving_dtype="bfloat16",
+        cpu_serving_reason="vLLM's CPU Gated DeltaNet kernel asserts 'CPU GDN attention requires BF16'",
+        {%- endif %}
+    ),
     reference_config=REFERENCE_CONFIG,
 )
