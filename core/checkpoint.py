@@ -28,6 +28,19 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
+def stored_tensors(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """File, shape and safetensors dtype (``"BF16"`` ...) of every tensor, by its name in the files (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in weight_files(model_dir):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                view = f.get_slice(key)
+                out[key] = (path, tuple(view.get_shape()), view.get_dtype())
+    return out
+
+
 class TextCheckpoint:
     """The language-model tensors of a safetensors checkpoint, under text-model names.
 
@@ -38,18 +51,12 @@ class TextCheckpoint:
     """
 
     def __init__(self, model_dir: Path, config: Any = None) -> None:
-        from safetensors import safe_open
-
         self.config = config
         self.source_dir = model_dir
-        files = weight_files(model_dir)
-        if not files:
+        if not weight_files(model_dir):
             raise CheckpointError(f"no safetensors weights in {model_dir}")
         self._where: dict[str, tuple[Path, str]] = {}
-        raw: dict[str, Path] = {}
-        for path in files:
-            with safe_open(path, "pt") as f:
-                raw.update(dict.fromkeys(f.keys(), path))
+        raw = {key: path for key, (path, _, _) in stored_tensors(model_dir).items()}
         multimodal = any(k.startswith(_VL_PREFIX) for k in raw)
         for key, path in raw.items():
             if multimodal and key.startswith(_VL_PREFIX):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model_support.core.checkpoint import weight_files
+from model_support.core.checkpoint import stored_tensors
 from model_support.core.errors import ModelSupportError
 from model_support.core.megatron.builder import MegatronModel, mapping_name
 from model_support.core.megatron.lora import lora_modules
@@ -24,19 +24,6 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 class HFExportError(ModelSupportError):
     """The live model's weights do not fit the checkpoint they are exported under."""
-
-
-def _stored(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
-    """File, shape and safetensors dtype of every tensor of the checkpoint, by its own name (headers only)."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in weight_files(model_dir):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                view = f.get_slice(key)
-                out[key] = (path, tuple(view.get_shape()), view.get_dtype())
-    return out
 
 
 def _local_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.nn.Module]]:
@@ -69,7 +56,7 @@ def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     checkpoint = built.checkpoint
-    stored = _stored(checkpoint.source_dir)
+    stored = stored_tensors(checkpoint.source_dir)
     registry = built.bridge.mapping_registry()
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
     lookup = registry.megatron_to_hf_lookup

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from model_support.core.checkpoint import weight_files
 from model_support.core.codecs import PEFT_PREFIX, CodecError, load_peft_adapter
 from model_support.core.serving.errors import ExportError
 
@@ -29,23 +30,10 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in dict.fromkeys(weight_map.values())]
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise ExportError(f"{model_dir} has no safetensors checkpoint")
     return files
-
-
-def tensor_names(model_dir: Path) -> Iterator[str]:
-    """Every tensor name of the checkpoint (headers only)."""
-    from safetensors import safe_open
-
-    for path in _checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as fh:
-            yield from fh.keys()
 
 
 def base_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

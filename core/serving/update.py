@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model_support.core.checkpoint import stored_tensors
 from model_support.core.serving.errors import ServingError
-from model_support.core.serving.export import CheckpointWriter, tensor_names
+from model_support.core.serving.export import CheckpointWriter
 
 if TYPE_CHECKING:
     from model_support.core.serving.backend import Server
@@ -76,7 +77,7 @@ class WeightUpdater:
         """A step must carry exactly the served checkpoint's tensors: vLLM would keep whatever a partial update
         leaves out in an undefined state (a tensor left out of a reload serves NaN on the CPU build)."""
         if self._expected is None:
-            self._expected = set(tensor_names(self.support_from))
+            self._expected = set(stored_tensors(self.support_from))
         missing, extra = sorted(self._expected - set(pushed)), sorted(set(pushed) - self._expected)
         if missing or extra:
             raise ServingError(
