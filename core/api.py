@@ -209,21 +209,14 @@ def save_merged(model: TrainingModel, out_dir: str | Path, *, bucket_bytes: int 
     files) at ``out_dir``, atomically: a failure leaves no directory there. Every rank iterates; rank 0 writes."""
     import torch.distributed as dist
 
-    from model_support.core.serving.export import CheckpointWriter
+    from model_support.core.serving.export import write_checkpoint
 
-    writer = None
+    shards = merged_weights(model, bucket_bytes=bucket_bytes)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        writer = CheckpointWriter(Path(out_dir), support_from=model.model_dir)
-    try:
-        for bucket in merged_weights(model, bucket_bytes=bucket_bytes):
-            if writer is not None:
-                writer.write_shard(bucket)
-        if writer is not None:
-            writer.commit()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
+        write_checkpoint(shards, Path(out_dir), support_from=model.model_dir)
+    else:
+        for _ in shards:  # the other ranks take part in the gathers
+            pass
     if dist.is_initialized():
         dist.barrier()
     return Path(out_dir)

@@ -16,7 +16,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -158,16 +158,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_checkpoint(
+    shards: Iterable[Mapping[str, torch.Tensor]],
+    out_dir: Path,
+    *,
+    support_from: Path | None = None,
+    check: Callable[[Mapping[str, str]], None] | None = None,
+) -> Path:
+    """Write each dict of ``shards`` as one shard and publish the checkpoint at ``out_dir`` atomically.
+
+    ``check`` sees the tensor -> shard map before anything is published and may refuse it by raising; any failure
+    leaves nothing at ``out_dir`` (and no staging directory).
+    """
+    writer = CheckpointWriter(Path(out_dir), support_from=support_from)
+    try:
+        for shard in shards:
+            writer.write_shard(shard)
+        if check is not None:
+            check(writer.weight_map)
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
 def export_merged(
     model_dir: Path, adapter_dir: Path | None, out_dir: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> Path:
     """Write base + adapter, merged, as a sharded safetensors checkpoint with index at ``out_dir`` (atomically)."""
     model_dir, adapter_dir = Path(model_dir), None if adapter_dir is None else Path(adapter_dir)
-    writer = CheckpointWriter(Path(out_dir), support_from=model_dir)
-    try:
-        for bucket in buckets(merged_tensors(model_dir, adapter_dir), max_shard_bytes):
-            writer.write_shard(bucket)
-        return writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    shards = buckets(merged_tensors(model_dir, adapter_dir), max_shard_bytes)
+    return write_checkpoint(shards, Path(out_dir), support_from=model_dir)

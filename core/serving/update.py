@@ -23,7 +23,7 @@ import torch
 
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.serving.errors import ServingError
-from model_support.core.serving.export import CheckpointWriter
+from model_support.core.serving.export import write_checkpoint
 
 if TYPE_CHECKING:
     from model_support.core.serving.backend import Server
@@ -56,15 +56,8 @@ class WeightUpdater:
 
         A failure while staging leaves the server untouched (same weights, same name) and nothing on disk.
         """
-        writer = CheckpointWriter(self.staging_root / f"step-{self.step + 1}", support_from=self.support_from)
-        try:
-            for bucket in buckets:
-                writer.write_shard(bucket)
-            self._check_complete(writer.weight_map)
-            weights_dir = writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+        step_dir = self.staging_root / f"step-{self.step + 1}"
+        weights_dir = write_checkpoint(buckets, step_dir, support_from=self.support_from, check=self._check_complete)
         self.server.reload_weights(weights_dir)
         self.step += 1
         self.server.rename(served_name(self.model, self.step))
