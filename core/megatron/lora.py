@@ -67,6 +67,11 @@ class LoraLinear(torch.nn.Module):
         torch.nn.init.zeros_(self.lora_B.weight)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
 
+    def reset_parameters(self) -> None:
+        """A fresh adapter: A drawn as ``torch.nn.Linear`` draws it, B = 0 (so the model is unchanged)."""
+        self.lora_A.reset_parameters()
+        torch.nn.init.zeros_(self.lora_B.weight)
+
     def forward(self, x: torch.Tensor, *args, **kwargs):
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,

@@ -29,7 +29,7 @@ from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
 from model_support.validation.stages.train_inference_mismatch import mismatch, mismatch_tolerance
-from model_support.validation.stages.trainability import fingerprint, peak_lr
+from model_support.validation.stages.trainability import base_fingerprints, changed_base, peak_lr
 
 QUESTIONS = (
     "Is the sky blue?",
@@ -104,9 +104,8 @@ class RlTrainabilityStage(Stage):
         megatron_lora(ctx)
         torch.manual_seed(ctx.seed)
         for module in lora_modules(model.module).values():
-            torch.nn.init.kaiming_uniform_(module.lora_A.weight, a=5**0.5)
-            torch.nn.init.zeros_(module.lora_B.weight)
-        base = {n: fingerprint(p) for n, p in model.module.named_parameters() if ".lora_" not in n}
+            module.reset_parameters()
+        base = base_fingerprints(model.module)
         params = [p for p in model.module.parameters() if p.requires_grad]
         tcfg = text_config(ctx.config)
         lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))
@@ -170,9 +169,7 @@ class RlTrainabilityStage(Stage):
             return cannot_serve(self, ctx, exc)
         finally:
             optimizer.zero_grad(set_to_none=True)
-        changed = sorted(
-            n for n, p in model.module.named_parameters() if n in base and not torch.equal(fingerprint(p), base[n])
-        )
+        changed = changed_base(model.module, base)
         worst = {key: max(s[key] for s in steps) for key in ("kl_mean", "abs_delta_logprob_max", "topk_kl_mean")}
         worst["abs_delta_logprob_mean"] = max(s["abs_delta_logprob_mean"] for s in steps)
         metrics = {

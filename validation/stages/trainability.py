@@ -52,8 +52,7 @@ class TrainabilityStage(Stage):
         megatron_lora(ctx)
         torch.manual_seed(ctx.seed)
         for module in lora_modules(model).values():
-            torch.nn.init.kaiming_uniform_(module.lora_A.weight, a=5**0.5)
-            torch.nn.init.zeros_(module.lora_B.weight)
+            module.reset_parameters()
         tokenizer = ctx.tokenizer()
         encoded_answers = {a: tokenizer.encode(a, add_special_tokens=False) for a in ("yes", "no")}
         if not all(encoded_answers.values()):
@@ -74,7 +73,7 @@ class TrainabilityStage(Stage):
 
         device = next(model.parameters()).device
         ends, choices, targets = ends.to(device), choices.to(device), targets.to(device)
-        base = {n: fingerprint(p) for n, p in model.named_parameters() if ".lora_" not in n}
+        base = base_fingerprints(model)
         params = [p for p in model.parameters() if p.requires_grad]
         tcfg = text_config(ctx.config)
         lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))
@@ -100,9 +99,7 @@ class TrainabilityStage(Stage):
         finally:
             model.eval()
             optimizer.zero_grad(set_to_none=True)
-        changed = sorted(
-            n for n, p in model.named_parameters() if n in base and not torch.equal(fingerprint(p), base[n])
-        )
+        changed = changed_base(model, base)
         metrics = {
             "steps": len(losses) - 1,
             "peak_lr": lr,
@@ -127,6 +124,17 @@ class TrainabilityStage(Stage):
 def peak_lr(hidden_size: int, num_layers: int) -> float:
     """1e-2 for a 64-wide, 2-layer model, scaled by 1/sqrt of width and depth beyond that."""
     return 1e-2 * min(1.0, (64 / hidden_size) ** 0.5) * min(1.0, (2 / num_layers) ** 0.5)
+
+
+def base_fingerprints(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`fingerprint` of every parameter that is not LoRA's, trainable or not (a base weight left trainable
+    by mistake must be watched too)."""
+    return {n: fingerprint(p) for n, p in model.named_parameters() if ".lora_" not in n}
+
+
+def changed_base(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """The parameters of ``before`` (from :func:`base_fingerprints`) whose fingerprint has changed, sorted."""
+    return sorted(n for n, p in model.named_parameters() if n in before and not torch.equal(fingerprint(p), before[n]))
 
 
 @torch.no_grad()
