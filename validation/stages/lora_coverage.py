@@ -127,9 +127,9 @@ class LoraCoverageStage(Stage):
             details.append(f"the exported adapter has no module for {', '.join(uncovered)}")
         load_lora_state(model, {k: torch.zeros_like(v) for k, v in state.items()})
         api.load_adapter(training_model(ctx), adapter_dir)
-        back = lora_state(model)
+        back = lora_state(model)  # on the model's device; ``state`` was drawn on the CPU
         mismatches = len(set(back) ^ set(state)) + sum(
-            1 for k in set(back) & set(state) if not torch.equal(back[k], state[k])
+            1 for k in set(back) & set(state) if not torch.equal(back[k].cpu(), state[k])
         )
 
         deltas = adapter_deltas(adapter_dir)
