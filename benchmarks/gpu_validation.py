@@ -122,7 +122,6 @@ def broken_run(model_dir: Path, json_out: Path) -> None:
 
     from model_support.core.codecs import BridgeLoraCodec
     from model_support.core.discovery import locate, resolve_handler
-    from model_support.core.layout import derive_layout
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
     from model_support.validation.report import write_reports
@@ -153,7 +152,7 @@ def broken_run(model_dir: Path, json_out: Path) -> None:
         model_dir=model_dir,
         handler=broken,
         config=config,
-        layout=derive_layout(config),
+        layout=broken.spec.layout(config),
         registry=registry,
         workdir=model_dir.parent / "broken-work",
     )

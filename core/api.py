@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from model_support.core.discovery import ModelSource, load_config, locate
 from model_support.core.discovery import resolve_handler as _resolve_source
-from model_support.core.layout import ModelLayout, derive_layout
+from model_support.core.layout import ModelLayout
 from model_support.core.registry import RegisteredHandler, Registry, load_registry
 
 if TYPE_CHECKING:
@@ -124,13 +124,18 @@ def build_model(
     source = locate(str(model_dir))
     handler = handler or _resolve_source(source, load_registry())
     config = config if config is not None else load_config(source)
-    layout = derive_layout(config)
+    layout = handler.spec.layout(config)
     parallel = parallel or ParallelLayout()
     runtime = handler.spec.runtime
     numerics = choose_numerics(runtime.gdn_backend, dtype=dtype)
     mtp = bool(layout.mtp_layers) and not runtime.disable_mtp_for_training
     built = build_megatron_model(
-        source.directory, config, tensor_parallel=parallel.tensor_parallel, mtp=mtp, numerics=numerics
+        source.directory,
+        config,
+        tensor_parallel=parallel.tensor_parallel,
+        mtp=mtp,
+        numerics=numerics,
+        layer_spec=handler.spec.megatron_layer_spec,
     )
     return TrainingModel(handler, source.directory, config, layout, built)
 

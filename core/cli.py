@@ -17,7 +17,6 @@ from rich.table import Table
 from model_support.core import api
 from model_support.core.discovery import ModelSource, load_config, locate
 from model_support.core.errors import ModelNotFoundError, ModelSupportError
-from model_support.core.layout import derive_layout
 from model_support.core.registry import Registry, load_registry, parse_preferences
 from model_support.core.serving.cli import runtime_app
 from model_support.core.spec import HandlerSpec
@@ -181,10 +180,10 @@ def tiny(
 
     registry = _registry()
     source = source_for(target, registry, tiny=True)
-    api.resolve(source, registry=registry)
+    handler = api.resolve(source, registry=registry)
     check_out_dir(out, overwrite)
     with staged_dir(out) as tmp:
-        build_tiny(source.raw_config, tmp, seed=seed)
+        build_tiny(source.raw_config, tmp, seed=seed, spec=handler.spec)
     console.print(f"tiny replica of {source.architectures[0]} written to {out}")
 
 
@@ -230,7 +229,7 @@ def check(
         if tiny:
             from model_support.core.tiny import build_tiny
 
-            model_dir = build_tiny(source.raw_config, work / "tiny-model", seed=seed)
+            model_dir = build_tiny(source.raw_config, work / "tiny-model", seed=seed, spec=handler.spec)
             source = locate(str(model_dir))
         config = load_config(source)
         ctx = CheckContext(
@@ -238,7 +237,7 @@ def check(
             model_dir=source.directory,
             handler=handler,
             config=config,
-            layout=derive_layout(config),
+            layout=handler.spec.layout(config),
             registry=registry,
             workdir=work,
             tiny=tiny,
@@ -324,7 +323,7 @@ def replica(
 
     registry = _registry()
     source = source_for(target, registry, tiny=True)
-    api.resolve(source, registry=registry)
+    handler = api.resolve(source, registry=registry)
     info = build_replica(
         source.raw_config,
         out,
@@ -334,6 +333,7 @@ def replica(
         device=device,
         seed=seed,
         overwrite=overwrite,
+        fields=handler.spec.config_fields,
     )
     console.print(info.describe(), markup=False, highlight=False, soft_wrap=True)
 

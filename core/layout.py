@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from model_support.core.errors import ConfigError
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+
+# A config's layer_types entries that name the two layer kinds model-support builds.
+_LAYER_KINDS = {FULL_ATTENTION: FULL_ATTENTION, LINEAR_ATTENTION: LINEAR_ATTENTION}
 
 # Multi-token-prediction depth, under the names the config families use.
 _MTP_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
@@ -71,44 +75,71 @@ def mtp_layers(config: Any) -> int:
     return 0
 
 
-def derive_layout(config: Any) -> ModelLayout:
-    """Read the layer layout of a transformers config."""
+@dataclass(frozen=True)
+class ConfigFields:
+    """Where one family's config keeps what its layer layout needs (transformers' common names by default).
+
+    A handler declares only what its family names otherwise; a value that no single field holds is a function of
+    the (text) config.
+    """
+
+    # The expert count: the first of these fields that is set (absent or 0: a dense model).
+    experts: tuple[str, ...] = ("num_experts", "num_local_experts")
+    experts_per_token: str = "num_experts_per_tok"
+    expert_intermediate_size: str = "moe_intermediate_size"
+    # The shared expert's width (None: the family has none).
+    shared_expert_intermediate_size: str | Callable[[Any], int] | None = None
+    # Layers of an MoE model that have a dense MLP instead of experts (None: none).
+    dense_layers: Callable[[Any], Iterable[int]] | None = None
+    # layer_types entries -> the kind model-support builds (e.g. a sliding-window layer is full attention).
+    layer_kinds: Mapping[str, str] = field(default_factory=lambda: dict(_LAYER_KINDS))
+
+    def expert_field(self, text: Mapping[str, Any]) -> str | None:
+        """The field of a config.json text section holding a nonzero expert count (None: dense)."""
+        return next((name for name in self.experts if text.get(name)), None)
+
+
+def _required(cfg: Any, name: str, why: str) -> Any:
+    value = getattr(cfg, name, None)
+    if value is None:
+        raise ConfigError(
+            f"config has no {name}, which {why}; add it to config.json or declare where the family "
+            "keeps it (HandlerSpec.config_fields)"
+        )
+    return value
+
+
+def derive_layout(config: Any, fields: ConfigFields | None = None) -> ModelLayout:
+    """Read the layer layout of a transformers config, where ``fields`` (the handler's) say the numbers are."""
+    fields = fields or ConfigFields()
     cfg = text_config(config)
-    num_layers = int(cfg.num_hidden_layers)
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is None:
-        interval = getattr(cfg, "full_attention_interval", None)
-        if interval:
-            layer_types = [
-                FULL_ATTENTION if (i + 1) % int(interval) == 0 else LINEAR_ATTENTION for i in range(num_layers)
-            ]
-        else:
-            layer_types = [FULL_ATTENTION] * num_layers
-    if len(layer_types) != num_layers:
-        raise ConfigError(f"config has {num_layers} layers but {len(layer_types)} layer_types; list one kind per layer")
-    unknown = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+    num_layers = int(_required(cfg, "num_hidden_layers", "every decoder config needs"))
+    raw_types = getattr(cfg, "layer_types", None) or [FULL_ATTENTION] * num_layers
+    if len(raw_types) != num_layers:
+        raise ConfigError(f"config has {num_layers} layers but {len(raw_types)} layer_types; list one kind per layer")
+    unknown = sorted(set(raw_types) - set(fields.layer_kinds))
     if unknown:
         raise ConfigError(
-            f"config has layer_types {unknown}; model-support knows {FULL_ATTENTION} and {LINEAR_ATTENTION}"
+            f"config has layer_types {unknown}; the handler knows {sorted(fields.layer_kinds)} "
+            "(declare the others in HandlerSpec.config_fields.layer_kinds)"
         )
+    layer_types = tuple(fields.layer_kinds[t] for t in raw_types)
 
     moe = None
-    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-    if num_experts:
-        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-        mlp_only = set(getattr(cfg, "mlp_only_layers", None) or ())
-        dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0)
-        missing = [f for f in ("num_experts_per_tok", "moe_intermediate_size") if getattr(cfg, f, None) is None]
-        if missing:
-            raise ConfigError(
-                f"config has {num_experts} experts but no {' or '.join(missing)}; an MoE config needs both "
-                "(a family that names them otherwise needs its own handler)"
-            )
+    expert_field = next((name for name in fields.experts if getattr(cfg, name, None)), None)
+    if expert_field:
+        num_experts = int(getattr(cfg, expert_field))
+        why = f"an MoE config ({num_experts} experts in {expert_field}) needs"
+        shared = fields.shared_expert_intermediate_size
+        if isinstance(shared, str):
+            shared = getattr(cfg, shared, 0)
+        elif callable(shared):
+            shared = shared(cfg)
         moe = MoELayout(
-            num_experts=int(num_experts),
-            top_k=int(cfg.num_experts_per_tok),
-            expert_intermediate_size=int(cfg.moe_intermediate_size),
-            shared_expert_intermediate_size=int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0),
-            dense_layers=dense,
+            num_experts=num_experts,
+            top_k=int(_required(cfg, fields.experts_per_token, why)),
+            expert_intermediate_size=int(_required(cfg, fields.expert_intermediate_size, why)),
+            shared_expert_intermediate_size=int(shared or 0),
+            dense_layers=tuple(sorted(set(fields.dense_layers(cfg)))) if fields.dense_layers else (),
         )
-    return ModelLayout(num_layers=num_layers, layer_types=tuple(layer_types), moe=moe, mtp_layers=mtp_layers(config))
+    return ModelLayout(num_layers=num_layers, layer_types=layer_types, moe=moe, mtp_layers=mtp_layers(config))

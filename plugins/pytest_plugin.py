@@ -67,7 +67,6 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     from model_support.core import api
     from model_support.core.cli import source_for
     from model_support.core.discovery import load_config, locate
-    from model_support.core.layout import derive_layout
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
     from model_support.validation.runner import plan, run_checks
@@ -80,14 +79,16 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     if request.tiny:
         from model_support.core.tiny import build_tiny
 
-        source = locate(str(build_tiny(source.raw_config, workdir / "tiny-model", seed=request.seed)))
+        source = locate(
+            str(build_tiny(source.raw_config, workdir / "tiny-model", seed=request.seed, spec=handler.spec))
+        )
     config = load_config(source)
     ctx = CheckContext(
         target=request.target,
         model_dir=source.directory,
         handler=handler,
         config=config,
-        layout=derive_layout(config),
+        layout=handler.spec.layout(config),
         registry=registry,
         workdir=workdir,
         tiny=request.tiny,

@@ -42,8 +42,17 @@ FIELD_DOCS = {
     "adapter and back; `None` when the family needs none.",
     "dependencies": "`DependencyFloor(package, minimum, reason, extra)`: minimum versions the `dependencies` "
     "stage enforces (`extra`: the optional extra that installs the package).",
-    "runtime": "`RuntimePolicy(disable_mtp_for_training, gdn_backend)`: how the trainer/server must run the family.",
+    "runtime": "`RuntimePolicy(disable_mtp_for_training, gdn_backend, cpu_serving_dtype, cpu_serving_reason)`: how "
+    "the trainer/server must run the family.",
     "reference_config": "config.json of a real checkpoint of the family; `check <handler> --tiny` replicates it.",
+    "config_fields": "`ConfigFields(experts, experts_per_token, expert_intermediate_size, "
+    "shared_expert_intermediate_size, dense_layers, layer_kinds)` (`model_support.core.layout`): where the family's "
+    "config keeps its layout numbers; transformers' common names by default, a function where no one field says it.",
+    "megatron_layer_spec": "`\"package.module:function\"` returning the megatron-core layer spec (a `ModuleSpec`, or "
+    "the `TransformerBlockSubmodules` of every layer) for the provider's config, where the family needs modules of "
+    "its own; imported only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
+    "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
+    "needs (e.g. vLLM's CPU GDN head size), family fields the generic shrink does not know.",
 }
 
 

@@ -30,7 +30,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     def build(handler: str) -> Path:
         if handler not in built:
             raw = json.loads(specs[handler].reference_config.read_text())
-            built[handler] = build_tiny(raw, tmp_path_factory.mktemp(f"tiny-{handler}"), seed=0)
+            built[handler] = build_tiny(raw, tmp_path_factory.mktemp(f"tiny-{handler}"), seed=0, spec=specs[handler])
         return built[handler]
 
     return build

@@ -216,11 +216,16 @@ def test_moe_config_without_expert_sizes_is_a_config_error() -> None:
     """A family whose config class has no expert-size field (transformers gives Qwen's a default)."""
     from types import SimpleNamespace
 
-    from model_support.core.layout import derive_layout
+    from model_support.core.layout import ConfigFields, derive_layout
 
     config = SimpleNamespace(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)
-    with pytest.raises(ConfigError, match="8 experts but no moe_intermediate_size; an MoE config needs both"):
+    with pytest.raises(
+        ConfigError, match=r"no moe_intermediate_size, which an MoE config \(8 experts in num_local_experts\) needs"
+    ):
         derive_layout(config)
+    olmoe_like = ConfigFields(expert_intermediate_size="intermediate_size")
+    config.intermediate_size = 1024
+    assert derive_layout(config, olmoe_like).moe.expert_intermediate_size == 1024
 
 
 def test_tiny_into_an_unwritable_place(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def test_a_lora_target_needs_names():
 
 
 def test_qwen3_5_layout_from_the_real_config():
-    layout = derive_layout(_config(QWEN3_5))
+    layout = QWEN3_5.layout(_config(QWEN3_5))
     assert layout.num_layers == 64
     assert len(layout.gdn_layers) == 48
     assert layout.attention_layers == tuple(range(3, 64, 4))
@@ -81,7 +81,7 @@ def test_qwen3_5_moe_layout_has_shared_expert_and_interval_pattern():
     raw = json.loads(QWEN3_5_MOE.reference_config.read_text())
     del raw["text_config"]["layer_types"]  # derived from full_attention_interval instead
     config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
-    layout = derive_layout(config)
+    layout = QWEN3_5_MOE.layout(config)
     assert layout.attention_layers == tuple(range(3, 40, 4))
     assert layout.moe is not None
     assert (layout.moe.num_experts, layout.moe.top_k, layout.moe.shared_expert_intermediate_size) == (256, 8, 512)
@@ -93,7 +93,8 @@ def test_qwen3_5_moe_layout_has_shared_expert_and_interval_pattern():
 
 def test_qwen3_moe_dense_layers_from_sparse_step():
     config = transformers.Qwen3MoeConfig(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[5])
-    assert derive_layout(config).moe.dense_layers == (0, 2, 4, 5)
+    assert QWEN3_MOE.layout(config).moe.dense_layers == (0, 2, 4, 5)
+    assert derive_layout(config).moe.dense_layers == ()  # a family that declares no dense layers has none
 
 
 def test_mtp_top_level_field_forms():
@@ -106,7 +107,7 @@ def test_declared_targets_exist_in_a_model_built_from_the_real_config(spec):
     config = _config(spec)
     model = build_meta_model(config)  # meta device: the real 27B/35B shapes cost no memory
     assert missing_targets(spec, model) == []
-    assert layout_problems(spec, derive_layout(config)) == []
+    assert layout_problems(spec, spec.layout(config)) == []
 
 
 def test_a_wrong_declaration_is_caught_against_the_model():
@@ -116,10 +117,10 @@ def test_a_wrong_declaration_is_caught_against_the_model():
         lora_targets=targets.ATTENTION + targets.GATED_DELTANET + targets.EXPERTS,
         topology=Topology.MOE,
     )
-    assert layout_problems(wrong, derive_layout(config)) == ["config has a shared expert the handler does not target"]
+    assert layout_problems(wrong, wrong.layout(config)) == ["config has a shared expert the handler does not target"]
     typo = replace(QWEN3, lora_targets=(LoraTarget("linear_qkv", ("qkv_proj",), TargetScope.ATTENTION),))
     assert missing_targets(typo, build_meta_model(_config(QWEN3))) == ["attention:qkv_proj"]
-    assert layout_problems(QWEN3, derive_layout(config)) == [
+    assert layout_problems(QWEN3, QWEN3_5_MOE.layout(config)) == [
         "handler declares dense but the config has 256 experts",
         "config has 30 linear_attention layers the handler does not declare",
         "config has a shared expert the handler does not target",

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from model_support.core.layout import derive_layout
 from model_support.core.tiny import build_tokenizer, shrink_config
+from model_support.handlers import BUILTIN_HANDLERS
 from tests.conftest import HANDLER_NAMES
 
 
@@ -25,13 +25,15 @@ def test_replica_is_small_runs_and_keeps_the_architecture(handler, tiny_model_di
     config, model = _load(model_dir)
     reference = json.loads((model_dir / "config.json").read_text())
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
-    layout = derive_layout(config)
+    spec = {h.name: h for h in BUILTIN_HANDLERS}[handler]
+    layout = spec.layout(config)
     if handler.startswith("qwen3.5"):
         assert type(model).__name__.endswith("ForConditionalGeneration")  # multimodal checkpoint class kept
         assert layout.layer_types == ("linear_attention",) * 3 + ("full_attention",)
         assert layout.mtp_layers == 1
         text = config.get_text_config()
         assert text.linear_num_value_heads // text.linear_num_key_heads in (2, 3)  # GDN head grouping kept
+        assert text.linear_key_head_dim == text.linear_value_head_dim == 128  # the handler's tiny_config
     else:
         assert layout.gdn_layers == ()
     if handler.endswith("moe"):
@@ -82,3 +84,39 @@ def test_shrink_scales_mrope_sections_to_the_rotary_dims():
     assert text["rope_parameters"]["mrope_section"] == [2, 1, 1]  # sums to 32 * 0.25 / 2
     assert (text["hidden_size"], text["head_dim"], text["num_hidden_layers"]) == (64, 32, 2)
     assert raw["text_config"]["hidden_size"] == 4096  # the input is not modified
+
+
+def test_a_config_without_head_dim_gets_a_head_size_cpu_attention_runs_and_keeps_mha():
+    """hidden / heads is the head size when the config names none; multi-head attention stays multi-head."""
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_hidden_layers": 16,
+    }
+    text = shrink_config(raw, 512, {"<|endoftext|>": 0, "<|im_end|>": 1})
+    assert text["hidden_size"] // text["num_attention_heads"] == 32
+    assert text["num_key_value_heads"] == text["num_attention_heads"]
+    gqa = shrink_config(raw | {"num_key_value_heads": 4}, 512, {"<|endoftext|>": 0, "<|im_end|>": 1})
+    assert gqa["num_key_value_heads"] * 2 == gqa["num_attention_heads"]
+
+
+def test_a_family_declares_its_expert_fields_and_tiny_sizes():
+    from model_support.core.layout import ConfigFields
+
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "num_hidden_layers": 61,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "kv_lora_rank": 512,
+    }
+    fields = ConfigFields(experts=("n_routed_experts",))
+    text = shrink_config(raw, 512, {"<|endoftext|>": 0, "<|im_end|>": 1}, fields, {"kv_lora_rank": 16})
+    assert (text["n_routed_experts"], text["num_experts_per_tok"], text["kv_lora_rank"]) == (4, 2, 16)
+    assert shrink_config(raw, 512, {"<|endoftext|>": 0, "<|im_end|>": 1})["n_routed_experts"] == 256

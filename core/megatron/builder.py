@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,7 +141,24 @@ def text_architecture(config: Any) -> str:
     return arch.replace("ForConditionalGeneration", "ForCausalLM")
 
 
-def _configure(provider: Any, tensor_parallel: int, numerics: Numerics, *, gdn: bool, mtp: bool) -> None:
+def load_layer_spec(path: str) -> Callable[..., Any]:
+    """The function a handler's ``megatron_layer_spec`` ("package.module:function") names."""
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise MegatronBuildError(f"the handler's megatron_layer_spec {path!r} cannot be loaded: {exc}") from exc
+
+
+def _configure(
+    provider: Any,
+    tensor_parallel: int,
+    numerics: Numerics,
+    *,
+    gdn: bool,
+    mtp: bool,
+    layer_spec: Callable[..., Any] | None = None,
+) -> None:
     for name in _FUSIONS_OFF:
         setattr(provider, name, False)
     provider.use_cpu_initialization = numerics.device.type != "cuda"
@@ -160,7 +179,9 @@ def _configure(provider: Any, tensor_parallel: int, numerics: Numerics, *, gdn: 
         provider.moe_enable_routing_replay = True  # lets a check replay the reference's routing (R3)
     from model_support.core.megatron.spec import gpt_layer_spec, hybrid_block_spec
 
-    if gdn:
+    if layer_spec is not None:
+        provider.transformer_layer_spec = layer_spec
+    elif gdn:
         routed = numerics.gdn_module == "megatron-core GatedDeltaNet"
         provider.transformer_layer_spec = functools.partial(
             hybrid_block_spec, gdn_kernel=numerics.gdn_kernel if routed else None
@@ -176,11 +197,13 @@ def build_megatron_model(
     tensor_parallel: int = 1,
     mtp: bool = False,
     numerics: Numerics | None = None,
+    layer_spec: str | None = None,
 ) -> MegatronModel:
     """Build the language model of ``model_dir`` in megatron-core and load its weights through the bridge.
 
     ``mtp=False`` (training with a handler whose runtime policy disables MTP) builds no multi-token
     prediction layers whatever the config declares. ``numerics`` defaults to :func:`choose_numerics`.
+    ``layer_spec`` is a handler's ``megatron_layer_spec`` (default: the local spec of :mod:`.spec`).
     """
     import_bridge()
     init_parallel(tensor_parallel)
@@ -200,7 +223,8 @@ def build_megatron_model(
     model_bridge.hf_pretrained = shim
     provider = model_bridge.provider_bridge(shim)
     gdn = provider.experimental_attention_variant == "gated_delta_net"
-    _configure(provider, tensor_parallel, numerics, gdn=gdn, mtp=mtp)
+    spec_fn = load_layer_spec(layer_spec) if layer_spec else None
+    _configure(provider, tensor_parallel, numerics, gdn=gdn, mtp=mtp, layer_spec=spec_fn)
     provider.finalize()
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(0)

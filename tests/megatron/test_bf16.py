@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from model_support.core.layout import derive_layout
 from model_support.core.registry import load_registry
 from model_support.validation.context import CheckContext
 from model_support.validation.runner import plan, run_checks
@@ -25,12 +24,13 @@ def _context(model_dir: Path, workdir: Path) -> CheckContext:
     config = AutoConfig.from_pretrained(model_dir)
     from model_support.core.discovery import locate, resolve_handler
 
+    handler = resolve_handler(locate(str(model_dir)), registry)
     return CheckContext(
         target=str(model_dir),
         model_dir=model_dir,
-        handler=resolve_handler(locate(str(model_dir)), registry),
+        handler=handler,
         config=config,
-        layout=derive_layout(config),
+        layout=handler.spec.layout(config),
         registry=registry,
         workdir=workdir,
         dtype="bf16",

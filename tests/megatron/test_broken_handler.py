@@ -9,7 +9,6 @@ import torch
 from transformers import AutoConfig
 
 from model_support.core.codecs import BridgeLoraCodec
-from model_support.core.layout import derive_layout
 from model_support.validation.stage import Status
 from tests.megatron.conftest import require_megatron
 
@@ -52,7 +51,7 @@ def test_swapped_gate_up_fails_lora_coverage(tiny_model_dir, tmp_path) -> None:
         model_dir=model_dir,
         handler=broken,
         config=config,
-        layout=derive_layout(config),
+        layout=broken.spec.layout(config),
         registry=registry,
         workdir=tmp_path,
         tiny=True,

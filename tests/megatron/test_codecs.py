@@ -26,7 +26,7 @@ from model_support.core.codecs import (
     load_peft_adapter,
     save_peft_adapter,
 )
-from model_support.core.layout import ModelLayout, derive_layout
+from model_support.core.layout import ModelLayout
 from model_support.handlers import BUILTIN_HANDLERS
 from tests.megatron.conftest import require_megatron
 
@@ -47,11 +47,11 @@ class Model:
     built: Any  # MegatronModel
 
 
-def _build(model_dir: Path) -> Model:
+def _build(model_dir: Path, handler: str) -> Model:
     from model_support.core.megatron.builder import build_megatron_model
 
     config = AutoConfig.from_pretrained(model_dir)
-    return Model(model_dir, config, derive_layout(config), build_megatron_model(model_dir, config))
+    return Model(model_dir, config, _SPECS[handler].layout(config), build_megatron_model(model_dir, config))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def base_model(tiny_model_dir) -> Callable[[str], Model]:
 
     def get(handler: str) -> Model:
         if handler not in cache:
-            cache[handler] = _build(tiny_model_dir(handler))
+            cache[handler] = _build(tiny_model_dir(handler), handler)
         return cache[handler]
 
     return get
@@ -78,7 +78,7 @@ def lora(tiny_model_dir) -> Callable[[str], tuple[Model, dict[str, torch.Tensor]
 
     def get(handler: str) -> tuple[Model, dict[str, torch.Tensor]]:
         if handler not in cache:
-            model = _build(tiny_model_dir(handler))
+            model = _build(tiny_model_dir(handler), handler)
             apply_lora(model.built.model, _SPECS[handler], rank=4, alpha=8.0)
             load_lora_state(model.built.model, random_lora_state(model.built.model, seed=3, b_std=0.05))
             cache[handler] = (model, lora_state(model.built.model))
@@ -104,15 +104,15 @@ def test_qwen35_names_row_counts_and_adapter_files(tiny_model_dir, tmp_path: Pat
     """The HF names and B rows of each split, written out independently of the bridge, and the PEFT files."""
     require_megatron()
     config = AutoConfig.from_pretrained(tiny_model_dir("qwen3.5"))
-    layout = derive_layout(config)
+    layout = _SPECS["qwen3.5"].layout(config)
     gen = torch.Generator().manual_seed(0)
     shapes = {
         # in_proj rows (GDN heads of 128): q 256 + k 256 + v 768 + z 768 + b 6 + a 6;
-        # gated qkv: 4 heads x 2 x 32 + k 128 + v 128
+        # gated qkv: 4 heads x 2 x 32 + k 2 x 32 + v 2 x 32
         "decoder.layers.0.self_attention.in_proj": (2060, 64),
         "decoder.layers.0.self_attention.out_proj": (64, 768),
         "decoder.layers.0.mlp.linear_fc1": (256, 64),
-        "decoder.layers.3.self_attention.linear_qkv": (512, 64),
+        "decoder.layers.3.self_attention.linear_qkv": (384, 64),
         "decoder.layers.3.self_attention.linear_proj": (64, 128),
     }
     lora = {}
@@ -130,7 +130,7 @@ def test_qwen35_names_row_counts_and_adapter_files(tiny_model_dir, tmp_path: Pat
     assert {k.rsplit(".lora_", 1)[0] for k in peft} == expected
     rows = {k.rsplit(".", 3)[-3]: v.shape[0] for k, v in peft.items() if k.endswith("lora_B.weight")}
     assert rows["in_proj_qkv"] == 1280 and rows["in_proj_z"] == 768 and rows["in_proj_b"] == 6
-    assert rows["q_proj"] == 256 and rows["k_proj"] == 128 and rows["gate_proj"] == 128
+    assert rows["q_proj"] == 256 and rows["k_proj"] == 64 and rows["gate_proj"] == 128
     save_peft_adapter(tmp_path, peft, rank=3, alpha=6)
     adapter_config, on_disk = load_peft_adapter(tmp_path)
     assert adapter_config["r"] == 3 and adapter_config["peft_type"] == "LORA"

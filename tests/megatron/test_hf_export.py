@@ -18,7 +18,6 @@ from transformers import AutoConfig
 
 from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.codecs import save_peft_adapter
-from model_support.core.layout import derive_layout
 from model_support.core.megatron.builder import MegatronModel, build_megatron_model
 from model_support.core.megatron.hf_export import HFExportError, hf_weights
 from model_support.core.megatron.lora import apply_lora, load_lora_state, lora_state, random_lora_state
@@ -52,7 +51,7 @@ def _add_lora(built: MegatronModel, handler: str, adapter_dir: Path) -> None:
     spec, config = SPECS[handler], AutoConfig.from_pretrained(built.checkpoint.source_dir)
     apply_lora(built.model, spec, rank=4, alpha=8.0)
     load_lora_state(built.model, random_lora_state(built.model, seed=3, b_std=0.05))
-    peft = spec.codec.to_peft(lora_state(built.model), config, derive_layout(config))
+    peft = spec.codec.to_peft(lora_state(built.model), config, spec.layout(config))
     save_peft_adapter(adapter_dir, peft, rank=4, alpha=8.0, base_model=str(built.checkpoint.source_dir))
 
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from model_support.core.layout import derive_layout
 from model_support.core.megatron.builder import build_megatron_model
 from model_support.core.megatron.forward import logits
 from model_support.core.megatron.hf_export import hf_weights
@@ -28,7 +27,7 @@ from model_support.handlers import BUILTIN_HANDLERS
 def main(handler: str, model_dir: Path, out_dir: Path) -> None:
     spec = {h.name: h for h in BUILTIN_HANDLERS}[handler]
     config = AutoConfig.from_pretrained(model_dir)
-    layout = derive_layout(config)
+    layout = spec.layout(config)
     built = build_megatron_model(model_dir, config, tensor_parallel=int(os.environ["WORLD_SIZE"]))
     model = built.model
     apply_lora(model, spec, rank=4, alpha=8.0)

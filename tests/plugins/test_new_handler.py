@@ -62,7 +62,8 @@ def test_generated_package_declares_the_family_from_its_config(generated: Path):
     assert json.loads(handler.reference_config.read_text()) == json.loads(QWEN2_CONFIG.read_text())
     tiny = json.loads((generated / "tests" / "fixtures" / "tiny-config.json").read_text())
     assert (tiny["architectures"], tiny["hidden_size"], tiny["num_hidden_layers"]) == (["Qwen2ForCausalLM"], 64, 2)
-    assert tiny["vocab_size"] == 512 and tiny["num_key_value_heads"] == 2
+    # Qwen2 has no head_dim: hidden / heads becomes 32 (vLLM's CPU attention minimum), GQA stays GQA (14:2 -> 2:1).
+    assert (tiny["vocab_size"], tiny["num_attention_heads"], tiny["num_key_value_heads"]) == (512, 2, 1)
     pyproject = (generated / "pyproject.toml").read_text()
     assert '[project.entry-points.model_support]\n"qwen2" = "model_support_qwen2"' in pyproject
     assert 'authors = [{ name = "A. Author" }]' in pyproject

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from model_support.core.layout import derive_layout
 from model_support.core.registry import load_registry
 from transformers import LlamaConfig
 
@@ -19,7 +18,7 @@ def test_the_installed_plugin_registers_the_handler():
 
 def test_reference_config_has_the_published_llama_3_2_1b_shapes():
     config = LlamaConfig(**json.loads(REFERENCE_CONFIG.read_text()))
-    layout = derive_layout(config)
+    layout = LLAMA.layout(config)
     assert (layout.num_layers, layout.moe, layout.gdn_layers) == (16, None, ())
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (2048, 32, 8)
     assert (config.head_dim, config.intermediate_size, config.vocab_size) == (64, 8192, 128256)

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from model_support.core import targets
 from model_support.core.codecs import BridgeLoraCodec
+{%- if cookiecutter._shared_expert_field %}
+from model_support.core.layout import ConfigFields
+{%- endif %}
 from model_support.core.spec import DependencyFloor, HandlerSpec, RuntimePolicy, Topology, VllmLora
 
 # config.json of a real checkpoint of the family: `model-support check {{ cookiecutter.handler_name }} --tiny` replicates it.
@@ -43,4 +46,12 @@ HANDLER = HandlerSpec(
         {%- endif %}
     ),
     reference_config=REFERENCE_CONFIG,
+    {%- if cookiecutter.linear_attention %}
+    # The tiny replica's GDN head size: vLLM's CPU Gated DeltaNet kernel runs 128 and rejects 16 and 32.
+    tiny_config={"linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    {%- endif %}
+    {%- if cookiecutter._shared_expert_field %}
+    # Where the config keeps the shared expert's width (other layout fields: transformers' common names).
+    config_fields=ConfigFields(shared_expert_intermediate_size="{{ cookiecutter._shared_expert_field }}"),
+    {%- endif %}
 )
