@@ -48,7 +48,7 @@ FIELD_DOCS = {
     "config_fields": "`ConfigFields(experts, experts_per_token, expert_intermediate_size, "
     "shared_expert_intermediate_size, dense_layers, layer_kinds)` (`model_support.core.layout`): where the family's "
     "config keeps its layout numbers; transformers' common names by default, a function where no one field says it.",
-    "megatron_layer_spec": "`\"package.module:function\"` returning the megatron-core layer spec (a `ModuleSpec`, or "
+    "megatron_layer_spec": '`"package.module:function"` returning the megatron-core layer spec (a `ModuleSpec`, or '
     "the `TransformerBlockSubmodules` of every layer) for the provider's config, where the family needs modules of "
     "its own; imported only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
     "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
