@@ -89,6 +89,10 @@ class RuntimePolicy:
     # why; the serving stages print both, and judge with that dtype's tolerances.
     cpu_serving_dtype: str | None = None
     cpu_serving_reason: str = ""
+    # Limits replacing a stage's own, keyed "stage.metric" (e.g. "merged_serving.prompt_logprob_max_abs_err"), and
+    # why; the stage's report names each one beside its default limit and this reason.
+    tolerances: Mapping[str, float] = field(default_factory=dict)
+    tolerance_reason: str = ""
 
 
 @runtime_checkable
@@ -206,6 +210,12 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
         problems.append(f"config_fields must be a ConfigFields, got {type(spec.config_fields).__name__}")
     if not all(isinstance(k, str) for k in spec.tiny_config):
         problems.append("tiny_config keys must be config field names (str)")
+    tolerances = spec.runtime.tolerances
+    malformed = [k for k in tolerances if not re.fullmatch(r"[a-z_]+\.[a-z0-9_]+", k)]
+    if malformed:
+        problems.append(f"tolerances are keyed 'stage.metric', got {malformed}")
+    if tolerances and not spec.runtime.tolerance_reason.strip():
+        problems.append("tolerances need a tolerance_reason")
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
     return problems

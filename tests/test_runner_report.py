@@ -262,3 +262,41 @@ def test_terminal_report_prints_summaries_as_written(ctx: CheckContext) -> None:
     """A summary is text, not rich markup: an extra in square brackets is shown, not swallowed."""
     report = run_checks(ctx, [QuotesPackages])
     assert "pip install 'model-support[megatron]'" in terminal_text(report)
+
+
+class _Thresholded(Stage):
+    name = "thresholded"
+    title = "a metric within its limit"
+    order = 1
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        return self.judge({"err": 0.3, "other": 0.0}, {"err": 0.1, "other": 0.0}, "err within its limit", ctx=ctx)
+
+
+def test_a_handler_tolerance_replaces_the_stage_limit_and_says_so(ctx: CheckContext) -> None:
+    import dataclasses
+
+    from model_support.core.spec import RuntimePolicy
+
+    assert _Thresholded().run(ctx).summary == "err=0.3 > 0.1"
+    policy = RuntimePolicy(
+        tolerances={"thresholded.err": 0.5, "other_stage.err": 0.0}, tolerance_reason="the kernel rounds in bf16"
+    )
+    spec = dataclasses.replace(ctx.handler.spec, runtime=policy)
+    loosened = dataclasses.replace(ctx, handler=dataclasses.replace(ctx.handler, spec=spec))
+    result = _Thresholded().run(loosened)
+    assert (result.status, result.thresholds) == (Status.PASS, {"err": 0.5, "other": 0.0})
+    assert result.summary == "err within its limit (handler tolerance: err <= 0.5)"
+    assert result.details == ["handler tolerance err <= 0.5 (stage default 0.1): the kernel rounds in bf16"]
+
+
+def test_a_handler_tolerance_needs_a_reason_and_a_stage_metric_key() -> None:
+    import dataclasses
+
+    from model_support.core.spec import RuntimePolicy, SpecError
+    from model_support.handlers.qwen3 import QWEN3
+
+    with pytest.raises(SpecError, match="tolerances need a tolerance_reason"):
+        dataclasses.replace(QWEN3, runtime=RuntimePolicy(tolerances={"merged_serving.err": 1.0}))
+    with pytest.raises(SpecError, match=r"tolerances are keyed 'stage\.metric'"):
+        dataclasses.replace(QWEN3, runtime=RuntimePolicy(tolerances={"err": 1.0}, tolerance_reason="why"))

@@ -111,10 +111,31 @@ class Stage(ABC):
         thresholds: dict[str, float],
         ok_summary: str,
         details: list[str] | None = None,
+        ctx: CheckContext | None = None,
     ) -> StageResult:
-        """Pass when every metric named in ``thresholds`` is at most its threshold, else fail naming them."""
+        """Pass when every metric named in ``thresholds`` is at most its threshold, else fail naming them.
+
+        With ``ctx``, the handler's declared tolerances for this stage (``RuntimePolicy.tolerances``) replace the
+        stage's, and a details line names each one, the stage's own limit and the handler's reason.
+        """
+        details = list(details or [])
+        loosened: list[str] = []
+        if ctx is not None:
+            thresholds = dict(thresholds)
+            policy = ctx.spec.runtime
+            for key, limit in policy.tolerances.items():
+                stage, _, metric = key.partition(".")
+                if stage == self.name and metric in thresholds:
+                    details.append(
+                        f"handler tolerance {metric} <= {limit:g} (stage default {thresholds[metric]:g}): "
+                        f"{policy.tolerance_reason}"
+                    )
+                    thresholds[metric] = limit
+                    loosened.append(f"{metric} <= {limit:g}")
+        if loosened:  # visible in the one-line summary too, not only in the details
+            ok_summary += f" (handler tolerance: {', '.join(loosened)})"
         over = [k for k, limit in thresholds.items() if not float(metrics[k]) <= limit]
         if over:
             summary = "; ".join(f"{k}={float(metrics[k]):.3g} > {thresholds[k]:.3g}" for k in over)
-            return self.failed(summary, metrics=metrics, thresholds=thresholds, details=details or [])
-        return self.passed(ok_summary, metrics=metrics, thresholds=thresholds, details=details or [])
+            return self.failed(summary, metrics=metrics, thresholds=thresholds, details=details)
+        return self.passed(ok_summary, metrics=metrics, thresholds=thresholds, details=details)

@@ -76,5 +76,5 @@ class ChatTemplateRolloutStage(Stage):
             "rescore_logprob_max_abs_err": tol,
         }
         return self.judge(
-            metrics, thresholds, f"{len(local)} prompt + {len(completion)} completion ids round-trip", details
+            metrics, thresholds, f"{len(local)} prompt + {len(completion)} completion ids round-trip", details, ctx=ctx
         )

@@ -89,4 +89,4 @@ class HfParityStage(Stage):
                 f"{metrics['router_tokens']} token-layers; logits compared under replay of the reference's routing"
             )
         summary = f"rel L2 {metrics['rel_l2']:.2e}, max |Δlogit| {metrics['max_abs_err']:.2e} ({metrics['dtype']})"
-        return self.judge(metrics, thresholds, summary, details)
+        return self.judge(metrics, thresholds, summary, details, ctx=ctx)

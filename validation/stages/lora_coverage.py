@@ -171,7 +171,11 @@ class LoraCoverageStage(Stage):
                 details=details,
             )
         return self.judge(
-            metrics, thresholds, f"{metrics['lora_modules']} LoRA modules, codec exact, adapter logits match", details
+            metrics,
+            thresholds,
+            f"{metrics['lora_modules']} LoRA modules, codec exact, adapter logits match",
+            details,
+            ctx=ctx,
         )
 
     def _exercise_unrouted_experts(

@@ -131,4 +131,5 @@ class MergedServingStage(Stage):
             {"prompt_logprob_max_abs_err": tol, "greedy_regret_max": tol},
             f"{metrics['tokens_compared']} prompt tokens within {tol:g} ({dtype})",
             details,
+            ctx=ctx,
         )

@@ -138,4 +138,5 @@ class NativeVllmLoraStage(Stage):
             {"lora_logprob_max_abs_err": tol},
             f"adapter served natively: {metrics['tokens_compared']} prompt tokens within {tol:g} ({options.dtype})",
             [f"adapter: {origin}", "served on " + ("the run's server" if shared else "a server of its own")],
+            ctx=ctx,
         )

@@ -110,4 +110,5 @@ class PackedPositionIdsStage(Stage):
             metrics,
             thresholds,
             f"{len(self.lengths)} packed sequences: logits rel L2 {metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
+            ctx=ctx,
         )

@@ -201,4 +201,4 @@ class RlTrainabilityStage(Stage):
             f"reward {rewards[0]:.2f} -> {rewards[-1]:.2f} in {len(steps) - 1} steps, served {names[-1]}, "
             f"max |delta logprob| {worst['abs_delta_logprob_max']:.1e}"
         )
-        return self.judge(metrics, thresholds, summary, details)
+        return self.judge(metrics, thresholds, summary, details, ctx=ctx)

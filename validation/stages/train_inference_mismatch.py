@@ -99,4 +99,5 @@ class TrainInferenceMismatchStage(Stage):
                 f"trainer: the Megatron model ({session.policy_model(ctx).describe()}); hf_*: transformers fp32, "
                 "adapter merged",
             ],
+            ctx=ctx,
         )

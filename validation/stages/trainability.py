@@ -118,7 +118,7 @@ class TrainabilityStage(Stage):
         if changed:
             details.append(f"base weights changed: {', '.join(changed[:4])}")
         summary = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) - 1} steps, accuracy {accuracy:.2f}"
-        return self.judge(metrics, self.thresholds, summary, details)
+        return self.judge(metrics, self.thresholds, summary, details, ctx=ctx)
 
 
 def peak_lr(hidden_size: int, num_layers: int) -> float:

@@ -54,4 +54,6 @@ class WeightsStage(Stage):
             "zero_matrices": len(zero),
         }
         details = [f"not finite: {name}" for name in nonfinite[:8]] + [f"all zeros: {name}" for name in zero[:8]]
-        return self.judge(metrics, self.thresholds, f"{tensors} tensors in {len(files)} file(s), all finite", details)
+        return self.judge(
+            metrics, self.thresholds, f"{tensors} tensors in {len(files)} file(s), all finite", details, ctx=ctx
+        )
