@@ -190,7 +190,7 @@ def _shrink_text(text: dict[str, Any], vocab_size: int, n_layers: int, fields: C
     for key, value in _TEXT_DIMS.items():
         if key in text:
             text[key] = value
-    if "head_dim" not in text:
+    if "head_dim" not in text and "hidden_size" in text and "num_attention_heads" in text:
         text["num_attention_heads"] = text["hidden_size"] // _HEAD_DIM
     heads = text.get("num_attention_heads", 4)
     if "num_key_value_heads" in text:

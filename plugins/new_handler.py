@@ -72,6 +72,7 @@ def template_context(
     except ConfigError as exc:
         raise NewHandlerError(f"{config}: cannot read the layer layout ({exc})") from None
     architecture = source.architectures[0]
+    targets = _targets(transformers_config, layout)
     return {
         "handler_name": name,
         "description": (description or f"{architecture} ({source.model_type}).").replace('"', "'"),
@@ -79,8 +80,8 @@ def template_context(
         "model_type": source.model_type,
         "topology": "moe" if layout.moe else "dense",
         "linear_attention": bool(layout.gdn_layers),
-        "shared_expert": bool(layout.moe and layout.moe.has_shared_expert),
         "_shared_expert_field": shared_field,
+        **targets,
         "disable_mtp_for_training": layout.mtp_layers > 0,
         # The native_vllm_lora stage holds this to account against the installed vLLM.
         "vllm_lora_native": True,
@@ -89,6 +90,54 @@ def template_context(
         "author": author,
         "_reference_config_json": json.dumps(source.raw_config, indent=2),
         "_tiny_config_json": json.dumps(tiny_config(source.raw_config), indent=2),
+    }
+
+
+def _decoder_linears(config: Any) -> set[str]:
+    """Leaf names of the HF model's decoder-layer linear modules (built on the meta device)."""
+    import torch
+
+    from model_support.core.validate import build_meta_model
+
+    model = build_meta_model(config)
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if ".layers." in name and isinstance(module, torch.nn.Linear)
+    }
+
+
+def _fallback_targets(layout: Any) -> str:
+    """The standard targets the layout implies, where no bridge can be read."""
+    parts = ["targets.ATTENTION"] + (["targets.GATED_DELTANET"] if layout.gdn_layers else [])
+    if layout.moe:
+        parts += ["targets.EXPERTS"] + (["targets.SHARED_EXPERT"] if layout.moe.has_shared_expert else [])
+    else:
+        parts.append("targets.DENSE_MLP")
+    return " + ".join(parts)
+
+
+def _targets(config: Any, layout: Any) -> dict[str, Any]:
+    """The template's LoRA-target variables: from the family's megatron-bridge mappings, or (no bridge) the standard
+    targets the layout implies, with a comment that says which."""
+    from model_support.plugins.bridge_targets import BridgeTargetsError, bridge_targets
+
+    try:
+        found = bridge_targets(config, layout, _decoder_linears(config))
+    except BridgeTargetsError as exc:
+        return {
+            "_lora_targets": _fallback_targets(layout),
+            "_explicit_targets": False,
+            "_targets_note": f"Not derived from a bridge: {exc}. Check these names against the checkpoint.",
+            "_bridge": "",
+        }
+    unmapped = f" Not mapped by it (no LoRA here): {', '.join(found.unmapped)}." if found.unmapped else ""
+    expression = found.expression()
+    return {
+        "_lora_targets": expression,
+        "_explicit_targets": "LoraTarget(" in expression,
+        "_targets_note": f"Derived from megatron-bridge's {found.bridge} mappings.{unmapped}",
+        "_bridge": found.bridge,
     }
 
 

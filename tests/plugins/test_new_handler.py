@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from model_support.core.cli import app, main
-from model_support.core.spec import HandlerSpec, Topology
+from model_support.core.spec import HandlerSpec, TargetScope, Topology
 from model_support.handlers.qwen3_5 import QWEN3_5_MOE
 from model_support.plugins.new_handler import NewHandlerError, generate, template_context
 from tests.helpers import pip_install_target, run_cli
@@ -107,7 +107,15 @@ def test_generated_plugins_own_tests_pass(generated: Path, site: Path, tmp_path:
 def test_gdn_moe_config_gives_the_builtin_qwen3_5_moe_declaration(tmp_path: Path):
     # From nothing but the Qwen3.5-35B-A3B config.json, the template writes what the built-in handler declares.
     context = template_context(str(QWEN3_5_MOE.reference_config), name="q35moe")
-    assert (context["topology"], context["linear_attention"], context["shared_expert"]) == ("moe", True, True)
+    assert (context["topology"], context["linear_attention"]) == ("moe", True)
+    # The targets are read off megatron-bridge's Qwen35MoEBridge mappings, and they are the standard ones.
+    assert context["_lora_targets"] == (
+        "targets.ATTENTION + targets.GATED_DELTANET + targets.EXPERTS + targets.SHARED_EXPERT"
+    )
+    # The shared expert's sigmoid gate is a linear the bridge maps as a gate weight, not as a LoRA-able linear.
+    assert context["_targets_note"] == (
+        "Derived from megatron-bridge's Qwen35MoEBridge mappings. Not mapped by it (no LoRA here): shared_expert_gate."
+    )
     assert context["disable_mtp_for_training"] is True and context["vllm_lora_native"] is True
     handler = load_handler(generate(context, tmp_path))
     assert handler.lora_targets == QWEN3_5_MOE.lora_targets
@@ -119,6 +127,41 @@ def test_gdn_moe_config_gives_the_builtin_qwen3_5_moe_declaration(tmp_path: Path
     assert handler.architectures == QWEN3_5_MOE.architectures[:1]
     tiny = json.loads((tmp_path / "model-support-q35moe" / "tests" / "fixtures" / "tiny-config.json").read_text())
     assert tiny["text_config"]["num_experts"] == 4 and tiny["text_config"]["layer_types"][-1] == "full_attention"
+
+
+def test_targets_the_standard_tuples_lack_come_from_the_bridge_and_unmapped_linears_are_named(tmp_path: Path):
+    """DeepSeek-V3's latent attention has linears no standard tuple names: the bridge's mappings give them."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    path = tmp_path / "deepseek.json"
+    path.write_text(config.to_json_string())
+    context = template_context(str(path), name="dsv3")
+    handler = load_handler(generate(context, tmp_path))
+    attention = {(t.megatron, t.hf) for t in handler.targets(TargetScope.ATTENTION)}
+    assert attention == {
+        ("linear_q_down_proj", ("q_a_proj",)),
+        ("linear_q_up_proj", ("q_b_proj",)),
+        ("linear_kv_down_proj", ("kv_a_proj_with_mqa",)),
+        ("linear_kv_up_proj", ("kv_b_proj",)),
+        ("linear_proj", ("o_proj",)),
+    }
+    assert {t.megatron for t in handler.targets(TargetScope.EXPERT)} == {"linear_fc1", "linear_fc2"}
+    assert "Derived from megatron-bridge's DeepSeekV3Bridge mappings." in context["_targets_note"]
+
+
+def test_without_a_bridge_the_declaration_says_its_targets_are_not_derived(tmp_path: Path):
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    path = tmp_path / "gpt2.json"
+    path.write_text(config.to_json_string())
+    context = template_context(str(path), name="gpt2")
+    assert context["_targets_note"].startswith("Not derived from a bridge: megatron-bridge has no bridge for")
+    source = (generate(context, tmp_path) / "src" / "model_support_gpt2" / "handler.py").read_text()
+    assert "Not derived from a bridge" in source and "could not read" in source
 
 
 def test_bad_input_is_a_one_line_error(

@@ -11,7 +11,19 @@ from model_support.core.codecs import BridgeLoraCodec
 {%- if cookiecutter._shared_expert_field %}
 from model_support.core.layout import ConfigFields
 {%- endif %}
-from model_support.core.spec import DependencyFloor, HandlerSpec, RuntimePolicy, Topology, VllmLora
+from model_support.core.spec import (
+    DependencyFloor,
+    HandlerSpec,
+    {%- if cookiecutter._explicit_targets %}
+    LoraTarget,
+    {%- endif %}
+    RuntimePolicy,
+    {%- if cookiecutter._explicit_targets %}
+    TargetScope,
+    {%- endif %}
+    Topology,
+    VllmLora,
+)
 
 # config.json of a real checkpoint of the family: `model-support check {{ cookiecutter.handler_name }} --tiny` replicates it.
 REFERENCE_CONFIG = Path(__file__).with_name("reference_config.json")
@@ -26,13 +38,15 @@ HANDLER = HandlerSpec(
     # True when some layers are Gated DeltaNet (config `layer_types` has "linear_attention").
     linear_attention={{ cookiecutter.linear_attention }},
     # LoRA targets, Megatron module -> the HF modules a PEFT adapter on disk names.
-    lora_targets=targets.ATTENTION
-    {%- if cookiecutter.linear_attention %} + targets.GATED_DELTANET{% endif %}
-    {%- if cookiecutter.topology == "moe" %} + targets.EXPERTS
-    {%- if cookiecutter.shared_expert %} + targets.SHARED_EXPERT{% endif %}
-    {%- else %} + targets.DENSE_MLP{% endif %},
-    # Megatron's fused LoRA tensors <-> a PEFT adapter, split by the family's own megatron-bridge mappings
-    # (the objects that split the base weights); the lora_coverage stage proves the split on the checkpoint.
+    # {{ cookiecutter._targets_note }}
+    lora_targets={{ cookiecutter._lora_targets }},
+    {%- if cookiecutter._bridge %}
+    # Megatron's fused LoRA tensors <-> a PEFT adapter, split by {{ cookiecutter._bridge }}'s own mappings (the objects
+    # that split the base weights); the lora_coverage stage proves the split on the checkpoint.
+    {%- else %}
+    # Splits come from the family's megatron-bridge bridge, which this machine could not read: install
+    # model-support[megatron], or register a bridge (model_support_megatron_bridges hook, docs/adding-a-model.md).
+    {%- endif %}
     codec=BridgeLoraCodec("{{ cookiecutter.handler_name }}"),
     # Whether vLLM serves a LoRA adapter for this architecture natively (else: merged weights only).
     vllm_lora=VllmLora(native={{ cookiecutter.vllm_lora_native }}, reason="{{ cookiecutter.vllm_lora_reason }}"),
