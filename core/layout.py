@@ -24,7 +24,7 @@ class MoELayout:
     top_k: int
     expert_intermediate_size: int
     shared_expert_intermediate_size: int = 0
-    # Layers with a dense MLP instead of experts (Qwen3-MoE's mlp_only_layers / sparse step).
+    # Layers with a dense MLP instead of experts.
     dense_layers: tuple[int, ...] = ()
 
     @property
@@ -93,6 +93,9 @@ class ConfigFields:
     dense_layers: Callable[[Any], Iterable[int]] | None = None
     # layer_types entries -> the kind model-support builds (e.g. a sliding-window layer is full attention).
     layer_kinds: Mapping[str, str] = field(default_factory=lambda: dict(_LAYER_KINDS))
+    # Fields listing layer indices, and fields counting layers, that a replica cut to fewer layers must follow.
+    layer_lists: tuple[str, ...] = ()
+    layer_counts: tuple[str, ...] = ()
 
     def expert_field(self, text: Mapping[str, Any]) -> str | None:
         """The field of a config.json text section holding a nonzero expert count (None: dense)."""

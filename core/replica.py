@@ -100,8 +100,8 @@ def replica_config(
             f"--layers {n_layers} leaves no {' or '.join(lost)} layer in {arch}'s layer_types; "
             f"pass --layers {shortest} or more (one full period of the pattern)"
         )
+    fields = fields or ConfigFields()
     if experts is not None:
-        fields = fields or ConfigFields()
         if fields.expert_field(text) is None:
             raise ReplicaError(
                 f"--experts applies to MoE configs only; {arch} is dense (no {' / '.join(fields.experts)})"
@@ -109,7 +109,7 @@ def replica_config(
         if experts < 1:
             raise ReplicaError(f"--experts {experts}: pass at least 1")
         set_experts(text, experts, min(int(text.get(fields.experts_per_token, experts)), experts), fields)
-    set_depth(text, n_layers)
+    set_depth(text, n_layers, fields)
     shrink_vision(cfg)
     set_dtype(cfg, dtype)
     return cfg

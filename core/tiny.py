@@ -135,15 +135,17 @@ def set_experts(text: dict[str, Any], experts: int, top_k: int, fields: ConfigFi
     text[fields.experts_per_token] = top_k
 
 
-def set_depth(text: dict[str, Any], n_layers: int) -> None:
-    """Keep the first ``n_layers`` layers: the layer count and the per-layer fields that index layers."""
+def set_depth(text: dict[str, Any], n_layers: int, fields: ConfigFields) -> None:
+    """Keep the first ``n_layers`` layers: the layer count and the fields (the family's) that index or count layers."""
     text["num_hidden_layers"] = n_layers
     if text.get("layer_types"):
         text["layer_types"] = text["layer_types"][:n_layers]
-    if text.get("mlp_only_layers"):
-        text["mlp_only_layers"] = [i for i in text["mlp_only_layers"] if i < n_layers]
-    if "max_window_layers" in text:
-        text["max_window_layers"] = n_layers
+    for name in fields.layer_lists:
+        if text.get(name):
+            text[name] = [i for i in text[name] if i < n_layers]
+    for name in fields.layer_counts:
+        if name in text:
+            text[name] = n_layers
 
 
 def set_token_ids(cfg: dict[str, Any], token_ids: dict[str, int]) -> None:
@@ -199,7 +201,7 @@ def _shrink_text(text: dict[str, Any], vocab_size: int, n_layers: int, fields: C
         text["linear_num_value_heads"] = _TEXT_DIMS["linear_num_key_heads"] * gdn_ratio
     if fields.expert_field(text):
         set_experts(text, TINY_EXPERTS, TINY_TOP_K, fields)
-    set_depth(text, n_layers)
+    set_depth(text, n_layers, fields)
     rope = text.get("rope_parameters") or text.get("rope_scaling")
     if isinstance(rope, dict) and rope.get("mrope_section"):
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))

@@ -35,6 +35,8 @@ QWEN3 = HandlerSpec(
     codec=_CODEC,
     dependencies=(_TRANSFORMERS, *_MEGATRON),
     reference_config=CONFIGS / "qwen3-0.6b.json",
+    # The sliding-window layer count follows a replica's depth.
+    config_fields=ConfigFields(layer_counts=("max_window_layers",)),
 )
 
 QWEN3_MOE = HandlerSpec(
@@ -48,5 +50,5 @@ QWEN3_MOE = HandlerSpec(
     codec=_CODEC,
     dependencies=(_TRANSFORMERS, *_MEGATRON),
     reference_config=CONFIGS / "qwen3-30b-a3b.json",
-    config_fields=ConfigFields(dense_layers=_dense_layers),
+    config_fields=ConfigFields(dense_layers=_dense_layers, layer_lists=("mlp_only_layers",)),
 )

@@ -48,7 +48,8 @@ FIELD_DOCS = {
     "the stage's default and the reason.",
     "reference_config": "config.json of a real checkpoint of the family; `check <handler> --tiny` replicates it.",
     "config_fields": "`ConfigFields(experts, experts_per_token, expert_intermediate_size, "
-    "shared_expert_intermediate_size, dense_layers, layer_kinds)` (`model_support.core.layout`): where the family's "
+    "shared_expert_intermediate_size, dense_layers, layer_kinds, layer_lists, layer_counts)` "
+    "(`model_support.core.layout`): where the family's "
     "config keeps its layout numbers; transformers' common names by default, a function where no one field says it.",
     "megatron_layer_spec": '`"package.module:function"` returning the megatron-core layer spec (a `ModuleSpec`, or '
     "the `TransformerBlockSubmodules` of every layer) for the provider's config, where the family needs modules of "
