@@ -16,8 +16,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.spec_utils import ModuleSpec
-from torch.distributed.nn.functional import all_reduce
 from model_support.core.megatron.spec import gpt_layer_spec
+from torch.distributed.nn.functional import all_reduce
 
 
 class ProjectionRMSNorm(torch.nn.Module):
