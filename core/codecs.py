@@ -104,7 +104,7 @@ class _Family:
 
     @classmethod
     def of(cls, config: Any, codec: str) -> _Family:
-        from model_support.core.megatron.builder import text_architecture
+        from model_support.core.megatron.builder import mapping_registry, text_architecture
         from model_support.core.megatron.imports import import_bridge
 
         import_bridge()
@@ -128,7 +128,7 @@ class _Family:
         # lookup of experts.<e>.gate_proj finds the per-expert module local_experts.<e>.linear_fc1.
         weights = [
             m
-            for m in model_bridge.mapping_registry().mappings
+            for m in mapping_registry(model_bridge).mappings
             if m.megatron_param.startswith(_DECODER) and m.megatron_param.endswith(_WEIGHT)
         ]
         registry = MegatronMappingRegistry(*weights)

@@ -95,6 +95,19 @@ class RuntimePolicy:
     tolerance_reason: str = ""
 
 
+@dataclass(frozen=True)
+class ConfigRequirement:
+    """A text-config field whose other values the family's build does not implement, and why.
+
+    The `architecture` stage fails a config whose ``field`` holds a value outside ``allowed`` (an absent field
+    counts as ``None``).
+    """
+
+    field: str
+    allowed: tuple[Any, ...]
+    reason: str
+
+
 @runtime_checkable
 class LoraCodec(Protocol):
     """Converts LoRA tensors between Megatron's fused layout and the PEFT adapter on disk.
@@ -144,6 +157,8 @@ class HandlerSpec:
     # TransformerBlockSubmodules of every layer) for the provider's config, where the family needs modules of its
     # own; imported only when a Megatron model is built. None: model-support's local spec.
     megatron_layer_spec: str | None = None
+    # Config values the build does not implement (e.g. a routing option the bridge ignores): refused, with the reason.
+    config_requirements: tuple[ConfigRequirement, ...] = ()
 
     def __post_init__(self) -> None:
         problems = declaration_problems(self)
@@ -216,6 +231,10 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
         problems.append(f"tolerances are keyed 'stage.metric', got {malformed}")
     if tolerances and not spec.runtime.tolerance_reason.strip():
         problems.append("tolerances need a tolerance_reason")
+    for requirement in spec.config_requirements:
+        if not isinstance(requirement, ConfigRequirement) or not requirement.allowed or not requirement.reason.strip():
+            problems.append("config_requirements must be ConfigRequirements, each with allowed values and a reason")
+            break
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
     return problems

@@ -56,6 +56,9 @@ FIELD_DOCS = {
     "its own; imported only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
     "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
     "needs (e.g. vLLM's CPU GDN head size), family fields the generic shrink does not know.",
+    "config_requirements": "`ConfigRequirement(field, allowed, reason)` entries: config values the family's build "
+    "does not implement (e.g. a routing option the bridge ignores); the `architecture` stage fails a config holding "
+    "another value, with the reason.",
 }
 
 

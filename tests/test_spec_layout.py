@@ -11,6 +11,7 @@ import transformers
 from model_support.core import targets
 from model_support.core.layout import derive_layout, mtp_layers
 from model_support.core.spec import (
+    ConfigRequirement,
     HandlerSpec,
     LoraTarget,
     RuntimePolicy,
@@ -19,7 +20,12 @@ from model_support.core.spec import (
     Topology,
     VllmLora,
 )
-from model_support.core.validate import build_meta_model, layout_problems, missing_targets
+from model_support.core.validate import (
+    build_meta_model,
+    config_requirement_problems,
+    layout_problems,
+    missing_targets,
+)
 from model_support.handlers import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
 
 
@@ -50,6 +56,10 @@ def test_declaration_is_frozen_and_lists_targets_once():
         ({"vllm_lora": VllmLora(native=False, reason=" ")}, "a merged-only vLLM LoRA status needs a reason"),
         ({"codec": object()}, "codec does not implement LoraCodec"),
         ({"runtime": RuntimePolicy(cpu_serving_dtype="bfloat16")}, "a cpu_serving_dtype needs a cpu_serving_reason"),
+        (
+            {"config_requirements": (ConfigRequirement("norm_topk_prob", (True,), " "),)},
+            "config_requirements must be ConfigRequirements, each with allowed values and a reason",
+        ),
         (
             {"runtime": RuntimePolicy(cpu_serving_dtype="bf16", cpu_serving_reason="x")},
             "cpu_serving_dtype must be bfloat16, float16 or float32, got 'bf16'",
@@ -125,3 +135,22 @@ def test_a_wrong_declaration_is_caught_against_the_model():
         "config has 30 linear_attention layers the handler does not declare",
         "config has a shared expert the handler does not target",
     ]
+
+
+def test_config_requirements_refuse_values_the_build_does_not_implement():
+    spec = replace(
+        QWEN3_MOE,
+        config_requirements=(
+            ConfigRequirement("norm_topk_prob", (True,), "the router always renormalises"),
+            ConfigRequirement("clip_qkv", (None,), "no clipping"),
+        ),
+    )
+    config = _config(QWEN3_MOE)
+    assert config.norm_topk_prob is True
+    assert config_requirement_problems(spec, config) == []
+    config.norm_topk_prob, config.clip_qkv = False, 8.0
+    assert config_requirement_problems(spec, config) == [
+        "config sets norm_topk_prob=False, qwen3-moe supports only True: the router always renormalises",
+        "config sets clip_qkv=8.0, qwen3-moe supports only None: no clipping",
+    ]
+    assert config_requirement_problems(QWEN3_MOE, config) == []

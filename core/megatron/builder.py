@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,36 @@ _TE_NAMES = (
 
 class MegatronBuildError(ModelSupportError):
     """The Megatron model could not be built or filled from the checkpoint."""
+
+
+# A grouped-GEMM expert weight's name (`weight*`: one tensor per expert) and the per-expert SequentialMLP name of the
+# same linear; both name the experts in the same order (layer, expert), so a mapping serves either unchanged.
+_GROUPED_EXPERTS = re.compile(r"^(?P<head>.*\.mlp\.experts)\.(?P<fc>linear_fc\d+)\.weight\*$")
+
+
+def mapping_registry(model_bridge: Any) -> Any:
+    """The bridge's mapping registry, with per-expert (SequentialMLP) names for every expert mapping.
+
+    Several bridges map routed experts only under the grouped-GEMM names (``mlp.experts.linear_fc1.weight*``), while
+    the local spec builds per-expert modules (``mlp.experts.local_experts.<e>.linear_fc1.weight``). For each such
+    mapping lacking its per-expert twin, a copy under the per-expert name is added: the same mapping class with the
+    same HF tensors.
+    """
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+
+    mappings = list(model_bridge.mapping_registry().mappings)
+    names = {m.megatron_param for m in mappings}
+    derived = []
+    for mapping in mappings:
+        match = _GROUPED_EXPERTS.match(mapping.megatron_param)
+        if not match:
+            continue
+        local = f"{match['head']}.local_experts.*.{match['fc']}.weight"
+        if local not in names:
+            twin = copy.copy(mapping)
+            twin.megatron_param = local
+            derived.append(twin)
+    return MegatronMappingRegistry(*mappings, *derived)
 
 
 def mapping_name(local_name: str, has_mapping: Any) -> str:
@@ -293,7 +324,7 @@ def _load_weights(built: MegatronModel) -> None:
     AutoMapping.register_module_type("LocalGatedDeltaNet", "column")
     AutoMapping.register_module_type("RoutedGatedDeltaNet", "column")
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
-    registry = built.bridge.mapping_registry()
+    registry = mapping_registry(built.bridge)
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
 
     def lookup(name: str) -> Any:

@@ -16,7 +16,7 @@ import torch
 
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.errors import ModelSupportError
-from model_support.core.megatron.builder import MegatronModel, mapping_name
+from model_support.core.megatron.builder import MegatronModel, mapping_name, mapping_registry
 from model_support.core.megatron.lora import lora_modules
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -57,7 +57,7 @@ def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
 
     checkpoint = built.checkpoint
     stored = stored_tensors(checkpoint.source_dir)
-    registry = built.bridge.mapping_registry()
+    registry = mapping_registry(built.bridge)
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
     lookup = registry.megatron_to_hf_lookup
     # The bridge merges only its own PEFT wrappers (`.to_wrap.`/`.adapter.`); tasks for LoraLinear's are built here.

