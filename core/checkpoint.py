@@ -45,8 +45,9 @@ class TextCheckpoint(Mapping):
     """The language-model tensors of a safetensors checkpoint, under text-model names (a read-only mapping).
 
     Acts as the ``hf_pretrained`` a megatron-bridge model bridge expects (``config``, ``state[name]``,
-    ``state.source.get_all_keys()``) and as the state dict its ``maybe_modify_loaded_hf_weight`` reads. For a multimodal checkpoint (``model.language_model.*``),
-    ``model.X`` names are served from ``model.language_model.X``; vision and MTP tensors are dropped.
+    ``state.source.get_all_keys()``) and as the state dict its ``maybe_modify_loaded_hf_weight`` reads. For a
+    multimodal checkpoint (``model.language_model.*``), ``model.X`` names are served from
+    ``model.language_model.X``; vision and MTP tensors are dropped.
     :meth:`raw_key` gives the name a tensor has in the files (what transformers' loader expects).
     """
 
