@@ -22,9 +22,7 @@ from transformers import AutoConfig
 
 from tests.megatron.conftest import require_megatron
 
-_HANDLER = (
-    Path(__file__).parents[2] / "plugins/model-support-deepseek-v3/src/model_support_deepseek_v3/handler.py"
-)
+_HANDLER = Path(__file__).parents[2] / "plugins/model-support-deepseek-v3/src/model_support_deepseek_v3/handler.py"
 
 
 @pytest.fixture(scope="module")
