@@ -53,7 +53,7 @@ DEEPSEEK_V3 = HandlerSpec(
     # LoRA splits derived from DeepSeekV3Bridge's own mappings.
     codec=BridgeLoraCodec("deepseek-v3"),
     dependencies=(
-        DependencyFloor("transformers", "4.57.0", "DeepseekV3ForCausalLM in transformers"),
+        DependencyFloor("transformers", "4.51.0", "first release with DeepseekV3ForCausalLM (model_type deepseek_v3)"),
         DependencyFloor(
             "megatron-bridge", "0.6.2", "DeepSeekV3Bridge weight mappings (MLA, expert bias)", extra="megatron"
         ),
