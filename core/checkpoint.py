@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,13 @@ def stored_tensors(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], st
     return out
 
 
-class TextCheckpoint:
-    """The language-model tensors of a safetensors checkpoint, under text-model names.
+class TextCheckpoint(Mapping):
+    """The language-model tensors of a safetensors checkpoint, under text-model names (a read-only mapping).
 
     Acts as the ``hf_pretrained`` a megatron-bridge model bridge expects (``config``, ``state[name]``,
-    ``state.source.get_all_keys()``). For a multimodal checkpoint (``model.language_model.*``),
-    ``model.X`` names are served from ``model.language_model.X``; vision and MTP tensors are dropped.
+    ``state.source.get_all_keys()``) and as the state dict its ``maybe_modify_loaded_hf_weight`` reads. For a
+    multimodal checkpoint (``model.language_model.*``), ``model.X`` names are served from
+    ``model.language_model.X``; vision and MTP tensors are dropped.
     :meth:`raw_key` gives the name a tensor has in the files (what transformers' loader expects).
     """
 
@@ -70,8 +71,14 @@ class TextCheckpoint:
     def get_all_keys(self) -> list[str]:
         return list(self._where)
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

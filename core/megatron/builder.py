@@ -13,11 +13,12 @@ gate/up merge, per-expert mappings, GDN in_proj / conv1d / zero-centred norms). 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -204,11 +205,12 @@ def _configure(
     if provider.num_moe_experts:
         provider.moe_grouped_gemm = False  # SequentialMLP: per-expert linear modules (local spec)
         provider.moe_token_dispatcher_type = "allgather"  # alltoall allocates a CUDA stream
+        provider.moe_shared_expert_overlap = False  # megatron-core overlaps only with alltoall / flex dispatch
         provider.moe_aux_loss_coeff = 0.0
         provider.moe_router_load_balancing_type = "none"
         provider.moe_router_dtype = "fp32"  # as RL trainers run the router; a no-op for an fp32 model
         provider.moe_enable_routing_replay = True  # lets a check replay the reference's routing (R3)
-    from model_support.core.megatron.spec import gpt_layer_spec, hybrid_block_spec
+    from model_support.core.megatron.spec import gpt_block_spec, hybrid_block_spec
 
     if layer_spec is not None:
         provider.transformer_layer_spec = layer_spec
@@ -218,7 +220,7 @@ def _configure(
             hybrid_block_spec, gdn_kernel=numerics.gdn_kernel if routed else None
         )
     else:
-        provider.transformer_layer_spec = gpt_layer_spec
+        provider.transformer_layer_spec = gpt_block_spec
 
 
 def build_megatron_model(
@@ -261,42 +263,53 @@ def build_megatron_model(
     torch.manual_seed(0)
     # One RouterReplay per router of the model being built (the class keeps a process-wide list).
     RouterReplay.clear_global_router_replay_instances()
-    model = provider.provide().to(numerics.device)
-    if numerics.device.type != "cuda":
+    if numerics.device.type == "cuda":
+        model = provider.provide().to(numerics.device)
+    else:
+        with _cpu_as_current_device():
+            model = provider.provide().to(numerics.device)
         _keep_on_cpu(model)
     built = MegatronModel(model, provider, model_bridge, checkpoint, tensor_parallel, numerics)
     _load_weights(built)
     return built
 
 
-def _keep_on_cpu(model: torch.nn.Module) -> None:
-    """Stop megatron-core from moving tensors to ``torch.cuda.current_device()`` when there is no GPU.
+@contextlib.contextmanager
+def _cpu_as_current_device() -> Iterator[None]:
+    """Let ``torch.cuda.current_device()`` name the CPU while megatron-core code runs without a GPU.
 
-    RotaryEmbedding.get_emb moves ``inv_freq`` and TopKRouter.gating moves the router weight to CUDA
-    whenever they sit on the CPU; both get an instance-level CPU version of the same computation.
+    megatron-core places some tensors on the current CUDA device whatever the model's device: TopKRouter's
+    expert-bias buffers at construction, RotaryEmbedding / YarnRotaryEmbedding's inverse frequencies and
+    TopKRouter's weight in their forward.
     """
-    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    real = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = real
+
+
+def _on_cpu(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _cpu_as_current_device():
+            return method(*args, **kwargs)
+
+    return run
+
+
+def _keep_on_cpu(model: torch.nn.Module) -> None:
+    """Run megatron-core's own rotary embeddings (every one: multi-latent attention has one per layer) and
+    router gating with :func:`_cpu_as_current_device`, so their tensors stay on the CPU."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.moe.router import TopKRouter
 
-    rope = getattr(model, "rotary_pos_emb", None)
-    if rope is not None:
-
-        def get_emb(max_seq_len: int, offset: int = 0) -> torch.Tensor:
-            freqs = rope.get_freqs_non_repeated(max_seq_len, offset)
-            if rope.rotary_interleaved:
-                emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-            else:
-                emb = torch.cat((freqs, freqs), dim=-1)
-            return emb[:, None, None, :]
-
-        rope.get_emb = get_emb
-    for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
-
-        def gating(x: torch.Tensor, router: TopKRouter = router) -> torch.Tensor:
-            dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router.config.moe_router_dtype, x.dtype)
-            return router_gating_linear(x, router.weight, router.bias, dtype)
-
-        router.gating = gating
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.get_emb = _on_cpu(module.get_emb)
+        elif isinstance(module, TopKRouter):
+            module.gating = _on_cpu(module.gating)
 
 
 def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
@@ -316,7 +329,8 @@ def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
 
 
 def _load_weights(built: MegatronModel) -> None:
-    """Fill every parameter from the checkpoint with the bridge's mapping; fail on anything unmapped."""
+    """Fill every parameter, and every persistent buffer the bridge maps (e.g. a router's expert bias), from the
+    checkpoint with the bridge's mapping; fail on any parameter unmapped."""
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
     from megatron.bridge.models.conversion.utils import get_module_and_param_from_name
 
@@ -330,8 +344,14 @@ def _load_weights(built: MegatronModel) -> None:
     def lookup(name: str) -> Any:
         return registry.megatron_to_hf_lookup(name)
 
+    persistent = built.model.state_dict(keep_vars=True).keys()
+    buffers = [
+        (name, buffer)
+        for name, buffer in built.model.named_buffers()
+        if name in persistent and lookup(mapping_name(name, lookup)) is not None
+    ]
     missing: list[str] = []
-    for name, param in built.model.named_parameters():
+    for name, param in [*built.model.named_parameters(), *buffers]:
         mapping = lookup(mapping_name(name, lookup))
         if mapping is None:
             missing.append(name)
@@ -341,10 +361,8 @@ def _load_weights(built: MegatronModel) -> None:
         if absent:
             missing.append(f"{name} (checkpoint lacks {absent[0]})")
             continue
-        if isinstance(mapping.hf_param, str):
-            hf_weights = built.checkpoint[mapping.hf_param]
-        else:
-            hf_weights = {k: built.checkpoint[v] for k, v in mapping.hf_param.items()}
+        # The bridge's own read (dequantises an fp8 checkpoint where its family needs that).
+        hf_weights = built.bridge.maybe_modify_loaded_hf_weight(mapping.hf_param, built.checkpoint)
         module, _ = get_module_and_param_from_name([built.model], name)
         if not hasattr(module, "config"):
             module.config = built.provider

@@ -11,8 +11,10 @@ An adapter is applied as a server merges it: ``W + alpha / r * B @ A`` on each c
 adapter names, computed when that tensor's layer is loaded. A name the checkpoint lacks is an error,
 so an adapter addressed to modules that do not exist never passes silently.
 
-Each MoE router's input, logits and top-k indices are recorded (``ReferenceOutput.routers``), so the
-model under test can be fed the same router inputs and replay the same routing.
+Each MoE block's router input, router logits and top-k indices are recorded (``ReferenceOutput.routers``), so
+the model under test can be fed the same router inputs and replay the same routing. The top-k is read where the
+block hands it to its experts module (``experts(hidden_states, top_k_index, top_k_weights)``, transformers'
+common MoE interface), so it does not matter whether the router or the block itself chooses the experts.
 """
 
 from __future__ import annotations
@@ -201,20 +203,20 @@ class StreamedReference:
         if global_deltas:
             raise ReferenceError(f"adapter changes tensors outside the decoder layers: {global_deltas[:3]}")
         self._deltas = deltas
-        captures: list[RouterCapture] = []
         handles = []
         for index, layer in enumerate(self.layers):
             handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=index: self._enter_layer(i)))
             handles.append(layer.register_forward_hook(lambda m, _a, _o: _drop_weights(m)))
-        moe_routers = [(n, m) for n, m in self.model.named_modules() if "Router" in type(m).__name__]
-        if replay is not None:
-            if len(replay) != len(moe_routers):
-                raise ReferenceError(f"{len(replay)} routings to replay for {len(moe_routers)} MoE routers")
-            for (name, module), indices in zip(moe_routers, replay, strict=True):
-                handles.append(module.register_forward_hook(_replay_hook(name, indices)))
-        if routers:
-            for name, module in moe_routers:
-                handles.append(module.register_forward_hook(_router_hook(name, captures)))
+        blocks = _moe_blocks(self.model)
+        if replay is not None and len(replay) != len(blocks):
+            raise ReferenceError(f"{len(replay)} routings to replay for {len(blocks)} MoE routers")
+        captures: list[RouterCapture] = []
+        for position, (name, router, experts) in enumerate(blocks):
+            seen: dict[str, torch.Tensor] = {}
+            handles.append(router.register_forward_hook(_router_hook(seen)))
+            target = None if replay is None else replay[position]
+            hook = _experts_hook(name, seen, captures if routers else None, target)
+            handles.append(experts.register_forward_pre_hook(hook, with_kwargs=True))
         try:
             out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
         finally:
@@ -230,37 +232,66 @@ def _drop_weights(module: torch.nn.Module) -> None:
     module.to_empty(device="meta")
 
 
-def _router_hook(name: str, captures: list[RouterCapture]) -> Any:
+def _moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
+    """(name, router, experts) of each MoE block in layer order: a module with a router child (its class name
+    contains "Router") and an ``experts`` child."""
+    blocks = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        router = next((m for m in module.children() if "Router" in type(m).__name__), None)
+        if isinstance(experts, torch.nn.Module) and router is not None:
+            blocks.append((name, router, experts))
+    return blocks
+
+
+def _router_hook(seen: dict[str, torch.Tensor]) -> Any:
+    """Keep the router's input rows [T, H] and logits [T, E] (its output, or the first of its outputs)."""
+
     def record(_module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        logits, indices = out[0], out[-1]
-        if not indices.dtype.is_floating_point:
-            hidden = args[0].reshape(-1, args[0].shape[-1])
-            captures.append(RouterCapture(name, hidden.detach(), logits.detach().float(), indices.detach()))
+        seen["inputs"] = args[0].reshape(-1, args[0].shape[-1]).detach()
+        seen["logits"] = (out if isinstance(out, torch.Tensor) else out[0]).detach().float()
 
     return record
 
 
-def _replay_hook(name: str, indices: torch.Tensor) -> Any:
-    """Make a softmax top-k router (transformers' ``(logits, scores, indices)`` output) take ``indices``.
+_EXPERTS_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
-    The replayed scores are the router's own probabilities at those experts, renormalised when the router
-    renormalises its top-k (read from its output), so only the choice of experts changes.
-    """
 
-    def replay(_module: torch.nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
-        logits, scores, chosen = out[0], out[1], out[-1]
-        probs = torch.softmax(logits.float(), dim=-1)
-        picked = probs.gather(1, chosen)
-        if torch.allclose(scores.float(), picked, rtol=1e-2, atol=1e-4):
-            normalise = False
-        elif torch.allclose(scores.float(), picked / picked.sum(-1, keepdim=True), rtol=1e-2, atol=1e-4):
-            normalise = True
-        else:
-            raise ReferenceError(f"cannot replay routing through {name}: its scores are not softmax top-k")
-        target = indices.to(chosen.device)
-        replayed = probs.gather(1, target)
-        if normalise:
-            replayed = replayed / replayed.sum(-1, keepdim=True)
-        return (logits, replayed.to(scores.dtype), *out[2:-1], target)
+def _experts_hook(
+    name: str, seen: dict[str, torch.Tensor], captures: list[RouterCapture] | None, target: torch.Tensor | None
+) -> Any:
+    """At the experts module's ``(hidden_states, top_k_index, top_k_weights)`` input: record the routing
+    (``captures``) and/or replace it by ``target``'s experts (:func:`_replayed_weights`)."""
 
-    return replay
+    def before(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rest = dict(kwargs)
+        hidden, chosen, weights = (*args, *(rest.pop(k) for k in _EXPERTS_INPUTS[len(args) :]))[:3]
+        if captures is not None:
+            captures.append(RouterCapture(name, seen["inputs"], seen["logits"], chosen.detach()))
+        if target is None:
+            return None
+        indices = target.to(chosen.device, chosen.dtype)
+        replayed = _replayed_weights(name, seen["logits"], chosen, weights, indices)
+        return (hidden, indices, replayed.to(weights.dtype)), rest
+
+    return before
+
+
+def _replayed_weights(
+    name: str, logits: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """The weights the router would give ``target``'s experts: its own weights are read as ``scale * score``
+    or ``scale * score / sum(top-k scores)``, the score a softmax or a sigmoid of the logits; that rule is
+    applied to ``target``, so only the choice of experts changes."""
+    weights = weights.float()
+    for score in (torch.softmax(logits, dim=-1), torch.sigmoid(logits)):
+        picked = score.gather(1, chosen)
+        for normalise in (False, True):
+            base = picked / picked.sum(-1, keepdim=True) if normalise else picked
+            scale = (weights / base).mean()
+            if torch.allclose(weights, scale * base, rtol=1e-2, atol=1e-4):
+                replayed = score.gather(1, target)
+                return scale * (replayed / replayed.sum(-1, keepdim=True) if normalise else replayed)
+    raise ReferenceError(
+        f"cannot replay routing through {name}: its expert weights are no softmax or sigmoid top-k of its logits"
+    )

@@ -3,8 +3,8 @@
 Two local-spec modules of megatron-core do not fit: ``DotProductAttention`` takes its score buffer from
 a CUDA-only global memory buffer, and ``WrappedTorchNorm`` refuses zero-centred gamma (Qwen3.5's norms).
 :class:`SDPAttention` and :class:`ZeroCenteredRMSNorm` replace them; everything else is megatron-core's
-own local spec (ColumnParallelLinear / RowParallelLinear, SelfAttention with q/k norm and output gate,
-MoE SequentialMLP).
+own local spec (ColumnParallelLinear / RowParallelLinear, SelfAttention with q/k norm and output gate or
+multi-latent attention, MoE SequentialMLP), laid out per layer by megatron-core's own block spec.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -41,24 +41,30 @@ class SDPAttention(MegatronModule):
     """Core attention through ``torch.nn.functional.scaled_dot_product_attention`` (megatron layout).
 
     ``attention_mask`` (boolean, True = masked, broadcastable to [B, H, S, S]) is honoured when given,
-    e.g. the block-diagonal mask of a packed row; without it attention is causal.
+    e.g. the block-diagonal mask of a packed row; without it attention is causal. ``softmax_scale`` is the one
+    the parent attention passes (multi-latent attention's includes the yarn mscale), else the config's, else
+    1/sqrt(kv_channels). Keys and values are shared by ``heads / key heads`` queries each (GQA); multi-latent
+    attention gives one key head per query head.
     """
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **kwargs: Any):
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        softmax_scale: float | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(config)
-        from megatron.core import parallel_state
-
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.heads = config.num_attention_heads // tp
-        self.groups = config.num_query_groups // tp
-        self.scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
         # [S, B, H, D] -> [B, H, S, D]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if self.heads > self.groups:
-            k = k.repeat_interleave(self.heads // self.groups, dim=1)
-            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        if q.shape[1] > k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
@@ -67,13 +73,8 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
-def _base_layer(config: Any) -> ModuleSpec:
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm,
-        normalization=config.normalization,
-    )
+def _localize(spec: ModuleSpec, config: Any) -> ModuleSpec:
+    """Put model-support's CPU-capable modules into one megatron-core local layer spec (in place)."""
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if config.layernorm_zero_centered_gamma:
         spec.submodules.input_layernorm = ZeroCenteredRMSNorm
@@ -84,9 +85,27 @@ def _base_layer(config: Any) -> ModuleSpec:
     return spec
 
 
-def gpt_layer_spec(config: Any) -> ModuleSpec:
-    """One local-spec decoder layer for a homogeneous GPT (Qwen3, Qwen3-MoE)."""
-    return _base_layer(config)
+def _base_layer(config: Any) -> ModuleSpec:
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    return _localize(spec, config)
+
+
+def gpt_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """Local specs of every decoder layer by megatron-core's own GPT block spec: dense or MoE by the config's
+    ``moe_layer_freq``, self-attention or multi-latent attention by ``multi_latent_attention``."""
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+    )
+    for spec in {id(s): s for s in block.layer_specs}.values():
+        _localize(spec, config)
+    if config.layernorm_zero_centered_gamma:
+        block.layer_norm = ZeroCenteredRMSNorm
+    return block
 
 
 def hybrid_block_spec(

@@ -1,0 +1,122 @@
+"""The DeepSeek-V3 plugin (plugins/model-support-deepseek-v3), installed the way a user installs it: every stage of
+`check deepseek-v3 --tiny`, its own tests, and a wrong declaration failing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.slow
+
+PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-deepseek-v3"
+MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+SERVING_STAGES = (
+    "native_vllm_lora",
+    "merged_serving",
+    "chat_template_rollout",
+    "train_inference_mismatch",
+    "rl_trainability",
+)
+NO_MLA_LORA = "merged-only: vLLM applies no LoRA to MLA's kv_b_proj"
+
+
+@pytest.fixture(scope="module")
+def installed(install_copy) -> tuple[Path, Path]:
+    """(a copy of the plugin's source tree, the directory pip installed it into)."""
+    return install_copy(PLUGIN)
+
+
+def _within_thresholds(verdict: dict) -> bool:
+    return all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
+
+
+def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path], tmp_path: Path):
+    from model_support.core.serving.runtime import load_runtime
+    from model_support.core.serving.session import CPU_MOE_RELOAD_GAP, backend
+
+    report_path = tmp_path / "deepseek-v3.json"
+    result = run_cli("check", "deepseek-v3", "--tiny", "--json", str(report_path), site=installed[1])
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["handler"] == "deepseek-v3" and report["handler_origin"] == "model-support-deepseek-v3 0.1.0"
+    results = {r["stage"]: r for r in report["results"]}
+    assert list(results) == ["dependencies", "architecture", "weights", *MEGATRON_STAGES, *SERVING_STAGES]
+    for stage in ("dependencies", "architecture", "weights"):
+        assert results[stage]["status"] == "pass", results[stage]
+    assert results["architecture"]["metrics"] == {
+        "layers": 2,
+        "gdn_layers": 0,
+        "attention_layers": 2,
+        "experts": 4,
+        "lora_targets": 8,
+    }
+    for stage in MEGATRON_STAGES:
+        verdict = results[stage]
+        if verdict["status"] == "skip" and "is not installed" in verdict["summary"]:
+            continue  # no megatron extra here
+        assert verdict["status"] == "pass" and _within_thresholds(verdict), verdict
+    if results["hf_parity"]["status"] == "pass":
+        parity = results["hf_parity"]["metrics"]
+        # One MoE layer after the dense one, its routing agreed token for token; MTP not built (runtime policy).
+        assert (parity["router_layers"], parity["router_flips"], parity["mtp_layers_built"]) == (1, 0, 0)
+        assert parity["rel_l2"] < 1e-5
+        assert results["lora_coverage"]["metrics"]["peft_tensors"] == 56
+
+    unavailable = backend().unavailable_reason()
+    if unavailable is not None:
+        for stage in SERVING_STAGES:
+            assert results[stage]["status"] == "skip", results[stage]
+        return
+    native = results["native_vllm_lora"]
+    assert native["status"] == "skip" and native["summary"].startswith(NO_MLA_LORA), native
+    merged = results["merged_serving"]
+    assert merged["status"] == "pass" and _within_thresholds(merged), merged
+    assert merged["metrics"]["serving_dtype"] == "bfloat16"
+    assert results["chat_template_rollout"]["status"] == "pass", results["chat_template_rollout"]
+    mismatch = results["train_inference_mismatch"]
+    assert mismatch["status"] == "pass" and _within_thresholds(mismatch), mismatch
+    rl = results["rl_trainability"]
+    if load_runtime().flavor == "cpu":
+        assert rl["status"] == "skip" and rl["summary"].endswith(
+            f"cannot take deepseek-v3's weights in place: {CPU_MOE_RELOAD_GAP}"
+        ), rl
+    else:
+        assert rl["status"] == "pass", rl
+
+
+def test_declaring_standard_attention_targets_fails_architecture(tmp_path: Path, install_copy):
+    # The mistake of declaring DeepSeek-V3 like a Qwen: q/k/v_proj do not exist under multi-latent attention.
+    broken = tmp_path / PLUGIN.name
+    shutil.copytree(PLUGIN, broken, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".*"))
+    handler = broken / "src" / "model_support_deepseek_v3" / "handler.py"
+    source = handler.read_text()
+    assert "lora_targets=MLA + " in source
+    handler.write_text(source.replace("lora_targets=MLA + ", "lora_targets=targets.ATTENTION + "))
+    _, site = install_copy(broken)
+    report_path = tmp_path / "broken.json"
+    result = run_cli("check", "deepseek-v3", "--tiny", "-s", "architecture", "--json", str(report_path), site=site)
+    assert result.returncode != 0
+    architecture = {r["stage"]: r for r in json.loads(report_path.read_text())["results"]}["architecture"]
+    assert architecture["status"] == "fail"
+    assert "target modules missing from DeepseekV3ForCausalLM" in architecture["summary"]
+    assert "k_proj" in architecture["summary"] and "v_proj" in architecture["summary"]
+
+
+def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
+    source, site = installed
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
+        cwd=source, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 passed" in result.stdout  # two tests + the stage test for architecture and its prerequisite
