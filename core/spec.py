@@ -9,13 +9,13 @@ reads them from the config.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from model_support.core.layout import ConfigFields, ModelLayout, derive_layout
+from model_support.core.layout import ConfigFields, ModelLayout, derive_layout, text_config
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +140,9 @@ class HandlerSpec:
     # TransformerBlockSubmodules of every layer) for the provider's config, where the family needs modules of its
     # own; imported only when a Megatron model is built. None: model-support's local spec.
     megatron_layer_spec: str | None = None
+    # Checks of one checkpoint's text config for what the handler cannot train or serve as declared (a feature
+    # the bridge ignores, a pattern it hardcodes): each returns why, or None; `architecture` fails with the reasons.
+    config_limits: tuple[Callable[[Any], str | None], ...] = ()
 
     def __post_init__(self) -> None:
         problems = declaration_problems(self)
@@ -153,6 +156,11 @@ class HandlerSpec:
     def hf_target_modules(self) -> tuple[str, ...]:
         """PEFT ``target_modules``: every HF module name, in declaration order, once."""
         return tuple(dict.fromkeys(name for t in self.lora_targets for name in t.hf))
+
+    def config_problems(self, config: Any) -> list[str]:
+        """What :attr:`config_limits` find in ``config`` (a transformers config; its text part is checked)."""
+        text = text_config(config)
+        return [reason for check in self.config_limits if (reason := check(text))]
 
     def layout(self, config: Any) -> ModelLayout:
         """The layer layout of one checkpoint's config, read where this family keeps it."""
@@ -206,6 +214,8 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
         problems.append(f"config_fields must be a ConfigFields, got {type(spec.config_fields).__name__}")
     if not all(isinstance(k, str) for k in spec.tiny_config):
         problems.append("tiny_config keys must be config field names (str)")
+    if not isinstance(spec.config_limits, tuple) or not all(callable(c) for c in spec.config_limits):
+        problems.append("config_limits must be a tuple of functions of the text config")
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
     return problems

@@ -242,15 +242,16 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
     """Stop megatron-core from moving tensors to ``torch.cuda.current_device()`` when there is no GPU.
 
     RotaryEmbedding.get_emb moves ``inv_freq`` and TopKRouter.gating moves the router weight to CUDA
-    whenever they sit on the CPU; both get an instance-level CPU version of the same computation.
+    whenever they sit on the CPU; every rotary embedding of the model (a family may keep several, e.g. one
+    per attention kind) and every router get an instance-level CPU version of the same computation.
     """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.moe.moe_utils import router_gating_linear
     from megatron.core.transformer.moe.router import TopKRouter
 
-    rope = getattr(model, "rotary_pos_emb", None)
-    if rope is not None:
+    for rope in (m for m in model.modules() if isinstance(m, RotaryEmbedding)):
 
-        def get_emb(max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        def get_emb(max_seq_len: int, offset: int = 0, rope: RotaryEmbedding = rope) -> torch.Tensor:
             freqs = rope.get_freqs_non_repeated(max_seq_len, offset)
             if rope.rotary_interleaved:
                 emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)

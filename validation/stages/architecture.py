@@ -39,7 +39,7 @@ class ArchitectureStage(Stage):
                 f"model_type {model_type!r} contradicts {archs[0]}, whose handler {ctx.spec.name} declares "
                 f"{', '.join(ctx.spec.model_types)}; fix config.json"
             )
-        problems = layout_problems(ctx.spec, layout)
+        problems = layout_problems(ctx.spec, layout) + ctx.spec.config_problems(ctx.config)
         model = build_meta_model(ctx.config)
         missing = missing_targets(ctx.spec, model)
         if missing:
