@@ -54,6 +54,7 @@ def test_declaration_is_frozen_and_lists_targets_once():
             {"runtime": RuntimePolicy(cpu_serving_dtype="bf16", cpu_serving_reason="x")},
             "cpu_serving_dtype must be bfloat16, float16 or float32, got 'bf16'",
         ),
+        ({"config_limits": ("no_softcapping",)}, "config_limits must be a tuple of functions of the text config"),
     ],
 )
 def test_inconsistent_declarations_are_rejected(change, message):
@@ -61,6 +62,17 @@ def test_inconsistent_declarations_are_rejected(change, message):
         replace(QWEN3_5_MOE, **change)
     assert str(info.value).startswith(f"handler {change.get('name', 'qwen3.5-moe')!r}: ")
     assert message in str(info.value)
+
+
+def test_config_limits_name_what_a_config_asks_that_the_handler_cannot_build():
+    def no_sliding_window(text) -> str | None:
+        return f"sliding_window {text.sliding_window} is not built" if text.sliding_window else None
+
+    spec = replace(QWEN3, config_limits=(no_sliding_window,))
+    config = _config(QWEN3)
+    assert spec.config_problems(config) == [] and QWEN3.config_problems(config) == []
+    config.sliding_window = 512
+    assert spec.config_problems(config) == ["sliding_window 512 is not built"]
 
 
 def test_a_lora_target_needs_names():
