@@ -53,6 +53,8 @@ FIELD_DOCS = {
     "its own; imported only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
     "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
     "needs (e.g. vLLM's CPU GDN head size), family fields the generic shrink does not know.",
+    "config_limits": "Functions of a checkpoint's text config returning why the handler cannot build it as declared "
+    "(a feature the bridge ignores, a pattern it hardcodes), or None; the `architecture` stage fails with the reasons.",
 }
 
 

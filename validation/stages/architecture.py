@@ -17,7 +17,8 @@ from model_support.validation.stage import Stage, StageResult
 
 class ArchitectureStage(Stage):
     """The config names an architecture whose handler also claims its model_type; the layer layout (dense or
-    MoE, shared expert, GDN layers) is what the handler declares; every declared LoRA target exists in the
+    MoE, shared expert, GDN layers) is what the handler declares; the config asks for nothing the handler's
+    ``config_limits`` refuse (a feature the bridge would drop); every declared LoRA target exists in the
     transformers model *and* is named by the checkpoint's tensors (what PEFT, vLLM and the exporter address):
     a target the checkpoint names otherwise fails with the names expected and the names found."""
 
