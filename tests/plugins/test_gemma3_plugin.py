@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import run_cli
+from tests.megatron.conftest import require_megatron
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +130,9 @@ def test_targets_named_as_vllm_packs_them_fail_architecture(check, site, tmp_pat
 
 
 def test_a_layer_spec_without_the_sliding_window_fails_hf_parity(check, site, tmp_path, monkeypatch):
-    pytest.importorskip("megatron.bridge")
     from model_support.validation.stage import Status
+
+    require_megatron()
 
     spec = f"{__name__}:full_attention_everywhere"
     results = _run(site, check[1], tmp_path, monkeypatch, "hf_parity", megatron_layer_spec=spec)
