@@ -9,13 +9,13 @@ reads them from the config.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from model_support.core.layout import ConfigFields, ModelLayout, derive_layout
+from model_support.core.layout import ConfigFields, ModelLayout, derive_layout, text_config
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +107,13 @@ class ConfigRequirement:
     allowed: tuple[Any, ...]
     reason: str
 
+    def __call__(self, text: Any) -> str | None:
+        value = getattr(text, self.field, None)
+        if value in self.allowed:
+            return None
+        allowed = " or ".join(repr(v) for v in self.allowed)
+        return f"config sets {self.field}={value!r}, the handler supports only {allowed}: {self.reason}"
+
 
 @runtime_checkable
 class LoraCodec(Protocol):
@@ -157,8 +164,10 @@ class HandlerSpec:
     # TransformerBlockSubmodules of every layer) for the provider's config, where the family needs modules of its
     # own; imported only when a Megatron model is built. None: model-support's local spec.
     megatron_layer_spec: str | None = None
-    # Config values the build does not implement (e.g. a routing option the bridge ignores): refused, with the reason.
-    config_requirements: tuple[ConfigRequirement, ...] = ()
+    # What one checkpoint's config may ask that the handler cannot build as declared (a value the bridge ignores, a
+    # pattern it hardcodes): ConfigRequirement entries, or functions of the text config returning why (None: fine).
+    # The `architecture` stage fails a config with the reasons.
+    config_requirements: tuple[ConfigRequirement | Callable[[Any], str | None], ...] = ()
 
     def __post_init__(self) -> None:
         problems = declaration_problems(self)
@@ -172,6 +181,11 @@ class HandlerSpec:
     def hf_target_modules(self) -> tuple[str, ...]:
         """PEFT ``target_modules``: every HF module name, in declaration order, once."""
         return tuple(dict.fromkeys(name for t in self.lora_targets for name in t.hf))
+
+    def config_problems(self, config: Any) -> list[str]:
+        """What :attr:`config_requirements` refuse in ``config`` (a transformers config; its text part is checked)."""
+        text = text_config(config)
+        return [reason for check in self.config_requirements if (reason := check(text))]
 
     def layout(self, config: Any) -> ModelLayout:
         """The layer layout of one checkpoint's config, read where this family keeps it."""
@@ -232,8 +246,12 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
     if tolerances and not spec.runtime.tolerance_reason.strip():
         problems.append("tolerances need a tolerance_reason")
     for requirement in spec.config_requirements:
-        if not isinstance(requirement, ConfigRequirement) or not requirement.allowed or not requirement.reason.strip():
-            problems.append("config_requirements must be ConfigRequirements, each with allowed values and a reason")
+        declared = isinstance(requirement, ConfigRequirement) and requirement.allowed and requirement.reason.strip()
+        if not (declared or (callable(requirement) and not isinstance(requirement, ConfigRequirement))):
+            problems.append(
+                "config_requirements must be ConfigRequirements (with allowed values and a reason) or functions of "
+                "the text config"
+            )
             break
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")

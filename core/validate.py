@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from model_support.core.errors import ModelSupportError
-from model_support.core.layout import ModelLayout, text_config
+from model_support.core.layout import ModelLayout
 from model_support.core.spec import HandlerSpec, LoraTarget, TargetScope, Topology
 
 # The parent module each scope's HF modules live under, in transformers decoder layers.
@@ -96,18 +96,4 @@ def layout_problems(spec: HandlerSpec, layout: ModelLayout) -> list[str]:
             if layout.moe.has_shared_expert
             else "handler targets a shared expert the config does not have"
         )
-    return problems
-
-
-def config_requirement_problems(spec: HandlerSpec, config: Any) -> list[str]:
-    """The config values outside what the handler's ``config_requirements`` allow, each with the reason."""
-    cfg = text_config(config)
-    problems = []
-    for requirement in spec.config_requirements:
-        value = getattr(cfg, requirement.field, None)
-        if value not in requirement.allowed:
-            allowed = " or ".join(repr(v) for v in requirement.allowed)
-            problems.append(
-                f"config sets {requirement.field}={value!r}, {spec.name} supports only {allowed}: {requirement.reason}"
-            )
     return problems

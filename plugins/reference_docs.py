@@ -56,9 +56,10 @@ FIELD_DOCS = {
     "its own; imported only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
     "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
     "needs (e.g. vLLM's CPU GDN head size), family fields the generic shrink does not know.",
-    "config_requirements": "`ConfigRequirement(field, allowed, reason)` entries: config values the family's build "
-    "does not implement (e.g. a routing option the bridge ignores); the `architecture` stage fails a config holding "
-    "another value, with the reason.",
+    "config_requirements": "`ConfigRequirement(field, allowed, reason)` entries, or functions of a checkpoint's "
+    "text config returning why the handler cannot build it as declared (None: fine): what a config may ask that the "
+    "family's build does not implement (a value the bridge ignores, a pattern it hardcodes); the `architecture` stage "
+    "fails a config with the reasons.",
 }
 
 

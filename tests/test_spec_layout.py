@@ -22,7 +22,6 @@ from model_support.core.spec import (
 )
 from model_support.core.validate import (
     build_meta_model,
-    config_requirement_problems,
     layout_problems,
     missing_targets,
 )
@@ -58,12 +57,13 @@ def test_declaration_is_frozen_and_lists_targets_once():
         ({"runtime": RuntimePolicy(cpu_serving_dtype="bfloat16")}, "a cpu_serving_dtype needs a cpu_serving_reason"),
         (
             {"config_requirements": (ConfigRequirement("norm_topk_prob", (True,), " "),)},
-            "config_requirements must be ConfigRequirements, each with allowed values and a reason",
+            "config_requirements must be ConfigRequirements (with allowed values and a reason) or functions",
         ),
         (
             {"runtime": RuntimePolicy(cpu_serving_dtype="bf16", cpu_serving_reason="x")},
             "cpu_serving_dtype must be bfloat16, float16 or float32, got 'bf16'",
         ),
+        ({"config_requirements": ("no_softcapping",)}, "config_requirements must be ConfigRequirements"),
     ],
 )
 def test_inconsistent_declarations_are_rejected(change, message):
@@ -71,6 +71,17 @@ def test_inconsistent_declarations_are_rejected(change, message):
         replace(QWEN3_5_MOE, **change)
     assert str(info.value).startswith(f"handler {change.get('name', 'qwen3.5-moe')!r}: ")
     assert message in str(info.value)
+
+
+def test_config_requirement_functions_name_what_a_config_asks_that_the_handler_cannot_build():
+    def no_sliding_window(text) -> str | None:
+        return f"sliding_window {text.sliding_window} is not built" if text.sliding_window else None
+
+    spec = replace(QWEN3, config_requirements=(no_sliding_window,))
+    config = _config(QWEN3)
+    assert spec.config_problems(config) == [] and QWEN3.config_problems(config) == []
+    config.sliding_window = 512
+    assert spec.config_problems(config) == ["sliding_window 512 is not built"]
 
 
 def test_a_lora_target_needs_names():
@@ -147,10 +158,10 @@ def test_config_requirements_refuse_values_the_build_does_not_implement():
     )
     config = _config(QWEN3_MOE)
     assert config.norm_topk_prob is True
-    assert config_requirement_problems(spec, config) == []
+    assert spec.config_problems(config) == []
     config.norm_topk_prob, config.clip_qkv = False, 8.0
-    assert config_requirement_problems(spec, config) == [
-        "config sets norm_topk_prob=False, qwen3-moe supports only True: the router always renormalises",
-        "config sets clip_qkv=8.0, qwen3-moe supports only None: no clipping",
+    assert spec.config_problems(config) == [
+        "config sets norm_topk_prob=False, the handler supports only True: the router always renormalises",
+        "config sets clip_qkv=8.0, the handler supports only None: no clipping",
     ]
-    assert config_requirement_problems(QWEN3_MOE, config) == []
+    assert QWEN3_MOE.config_problems(config) == []

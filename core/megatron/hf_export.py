@@ -27,20 +27,27 @@ class HFExportError(ModelSupportError):
 
 
 def _local_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.nn.Module]]:
-    """(name without LoRA's ``.base``, this rank's shard with LoRA merged, owning module) per base parameter."""
+    """(name without LoRA's ``.base``, this rank's shard with LoRA merged, owning module) per base parameter.
+
+    A wrapped linear's own weight gets the update merged; its other parameters (e.g. the ``post_layernorm``
+    of a :class:`~model_support.core.megatron.spec.PostNormRowParallelLinear`) are exported unchanged.
+    """
     wrapped = lora_modules(model)
     for name, param in model.named_parameters():
-        parent, _, leaf = name.rpartition(".")
-        prefix, _, child = parent.rpartition(".")
-        lora = wrapped.get(prefix)
-        if lora is None:
-            yield name, param.detach(), model.get_submodule(parent)
-        elif child == "base":  # (skips the adapter's own lora_A / lora_B)
-            shard = param.detach()
-            if leaf == "weight":
-                delta = lora.lora_B.weight.detach().float() @ lora.lora_A.weight.detach().float()
-                shard = (shard.float() + lora.scale * delta).to(shard.dtype)
-            yield f"{prefix}.{leaf}", shard, lora.base
+        parts = name.split(".")
+        owner = next((i for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in wrapped), None)
+        if owner is None:
+            yield name, param.detach(), model.get_submodule(name.rpartition(".")[0])
+            continue
+        if parts[owner] != "base":  # the adapter's own lora_A / lora_B
+            continue
+        prefix, inner = ".".join(parts[:owner]), parts[owner + 1 :]
+        lora = wrapped[prefix]
+        shard = param.detach()
+        if inner == ["weight"]:
+            delta = lora.lora_B.weight.detach().float() @ lora.lora_A.weight.detach().float()
+            shard = (shard.float() + lora.scale * delta).to(shard.dtype)
+        yield ".".join([prefix, *inner]), shard, lora.base.get_submodule(".".join(inner[:-1]))
 
 
 def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:

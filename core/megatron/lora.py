@@ -78,13 +78,16 @@ class LoraLinear(torch.nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
-        out, bias = self.base(x, *args, **kwargs)
+        # A projection with its own output norm takes the update before that norm, as the merged weight would.
+        post_norm = getattr(self.base, "post_layernorm", None)
+        out, bias = (self.base if post_norm is None else self.base.project)(x, *args, **kwargs)
         hidden = self.lora_A(x.to(self.lora_A.weight.dtype))
         if self.column:
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.group)
         else:
             hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.group)
-        return out + (self.scale * self.lora_B(hidden)).to(out.dtype), bias
+        out = out + (self.scale * self.lora_B(hidden)).to(out.dtype)
+        return (out if post_norm is None else post_norm(out)), bias
 
     # --- canonical <-> shard ---------------------------------------------------------------------------------
     def _row_shard(self, full: torch.Tensor) -> torch.Tensor:

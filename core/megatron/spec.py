@@ -5,6 +5,8 @@ a CUDA-only global memory buffer, and ``WrappedTorchNorm`` refuses zero-centred 
 :class:`SDPAttention` and :class:`ZeroCenteredRMSNorm` replace them; everything else is megatron-core's
 own local spec (ColumnParallelLinear / RowParallelLinear, SelfAttention with q/k norm and output gate or
 multi-latent attention, MoE SequentialMLP), laid out per layer by megatron-core's own block spec.
+:class:`PostNormRowParallelLinear` is the local twin of megatron-bridge's ``TERowParallelLinearLayerNorm`` (a norm
+on a projection's output), for a family's own layer spec.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -45,6 +48,8 @@ class SDPAttention(MegatronModule):
     the parent attention passes (multi-latent attention's includes the yarn mscale), else the config's, else
     1/sqrt(kv_channels). Keys and values are shared by ``heads / key heads`` queries each (GQA); multi-latent
     attention gives one key head per query head.
+    ``window`` (a ModuleSpec param) makes it sliding-window attention: query ``i`` sees keys ``i - window + 1 .. i``
+    (transformers' ``sliding_window``, transformer-engine's ``window_size=(window - 1, 0)``).
     """
 
     def __init__(
@@ -54,10 +59,14 @@ class SDPAttention(MegatronModule):
         attn_mask_type: Any,
         attention_type: str,
         softmax_scale: float | None = None,
+        window: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(config)
         self.scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must hold at least one key, got {window}")
+        self.window = window
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
         # [S, B, H, D] -> [B, H, S, D]
@@ -65,12 +74,40 @@ class SDPAttention(MegatronModule):
         if q.shape[1] > k.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if self.window is not None:
+            pos = torch.arange(query.shape[0], device=query.device)
+            distance = pos[:, None] - pos[None, :]
+            outside = (distance < 0) | (distance >= self.window)
+            attention_mask = outside if attention_mask is None else attention_mask | outside
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+class PostNormRowParallelLinear(RowParallelLinear):
+    """A RowParallelLinear whose output goes through a zero-centred RMSNorm, ``post_layernorm``.
+
+    megatron-bridge maps such norms as ``<linear>.post_layernorm.weight`` (its ``TERowParallelLinearLayerNorm``,
+    transformer-engine only). :meth:`project` is the linear alone: a LoRA update joins the projection before
+    the norm (:class:`~model_support.core.megatron.lora.LoraLinear` uses it).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = ZeroCenteredRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out, bias = super().forward(x)
+        if bias is not None:
+            raise ValueError("a post-norm projection cannot defer its bias past the norm (add_bias_linear=False)")
+        return out, None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out, _ = self.project(x)
+        return self.post_layernorm(out), None
 
 
 def _localize(spec: ModuleSpec, config: Any) -> ModuleSpec:

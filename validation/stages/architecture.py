@@ -6,7 +6,6 @@ from model_support.core.spec import TargetScope
 from model_support.core.validate import (
     build_meta_model,
     checkpoint_modules,
-    config_requirement_problems,
     layout_problems,
     missing_targets,
     modules_under,
@@ -18,8 +17,8 @@ from model_support.validation.stage import Stage, StageResult
 
 class ArchitectureStage(Stage):
     """The config names an architecture whose handler also claims its model_type; the layer layout (dense or
-    MoE, shared expert, GDN layers) is what the handler declares; config values the handler does not implement
-    (its config_requirements) are refused with its reason; every declared LoRA target exists in the
+    MoE, shared expert, GDN layers) is what the handler declares; the config asks for nothing the handler's
+    ``config_requirements`` refuse (a value the bridge would ignore); every declared LoRA target exists in the
     transformers model *and* is named by the checkpoint's tensors (what PEFT, vLLM and the exporter address):
     a target the checkpoint names otherwise fails with the names expected and the names found."""
 
@@ -41,7 +40,7 @@ class ArchitectureStage(Stage):
                 f"model_type {model_type!r} contradicts {archs[0]}, whose handler {ctx.spec.name} declares "
                 f"{', '.join(ctx.spec.model_types)}; fix config.json"
             )
-        problems = layout_problems(ctx.spec, layout) + config_requirement_problems(ctx.spec, ctx.config)
+        problems = layout_problems(ctx.spec, layout) + ctx.spec.config_problems(ctx.config)
         model = build_meta_model(ctx.config)
         missing = missing_targets(ctx.spec, model)
         if missing:

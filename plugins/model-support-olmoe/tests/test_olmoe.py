@@ -13,7 +13,6 @@ import torch
 from model_support.core.registry import load_registry
 from model_support.core.spec import LoraTarget, TargetScope
 from model_support.core.tiny import build_tiny
-from model_support.core.validate import config_requirement_problems
 from safetensors.torch import load_file
 from transformers import AutoConfig, OlmoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
@@ -38,7 +37,7 @@ def test_reference_config_has_the_published_olmoe_1b_7b_shapes():
     assert not layout.moe.has_shared_expert
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (2048, 16, 16)
     assert (config.vocab_size, config.norm_topk_prob, config.clip_qkv) == (50304, False, None)
-    assert config_requirement_problems(OLMOE, config) == []
+    assert OLMOE.config_problems(config) == []
 
 
 def test_the_q_k_norm_split_over_two_ranks_is_olmoes_norm_over_the_whole_projection(tmp_path):
@@ -107,7 +106,7 @@ def test_a_config_with_renormalised_routing_fails_architecture(tiny_olmoe, tmp_p
     result = _architecture(OLMOE, model_dir, tmp_path)
     assert result.status.value == "fail"
     assert result.summary == (
-        "config sets norm_topk_prob=True, olmoe supports only False: megatron-bridge's OlMoEBridge does not "
+        "config sets norm_topk_prob=True, the handler supports only False: megatron-bridge's OlMoEBridge does not "
         "renormalise the top-k routing weights"
     )
 

@@ -1,0 +1,141 @@
+"""The Gemma 3 plugin (plugins/model-support-gemma3), installed the way a user installs it: the whole
+``check gemma3 --tiny``, its own tests, and declarations that get the family wrong failing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import run_cli
+from tests.megatron.conftest import require_megatron
+
+pytestmark = pytest.mark.slow
+
+GEMMA3_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-gemma3"
+STAGES = (
+    "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "packed_position_ids", "trainability",
+    "native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch", "rl_trainability",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def installed(install_copy) -> tuple[Path, Path]:
+    """(a copy of the plugin's source tree, the directory pip installed it into)."""
+    return install_copy(GEMMA3_PLUGIN)
+
+
+@pytest.fixture(scope="module")
+def site(installed: tuple[Path, Path]) -> Path:
+    return installed[1]
+
+
+@pytest.fixture(scope="module")
+def check(site: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """(the JSON report of one ``check gemma3 --tiny`` over every stage, the tiny model it built)."""
+    workdir = tmp_path_factory.mktemp("gemma3-check")
+    report_path = workdir / "gemma3.json"
+    result = run_cli("check", "gemma3", "--tiny", "--workdir", str(workdir), "--json", str(report_path), site=site)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (model_dir,) = workdir.glob("*/tiny-model")
+    return json.loads(report_path.read_text()), model_dir
+
+
+def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Path]):
+    report, model_dir = check
+    assert report["handler"] == "gemma3" and report["handler_origin"] == "model-support-gemma3 0.1.0"
+    results = {r["stage"]: r for r in report["results"]}
+    assert list(results) == list(STAGES)
+    for stage, verdict in results.items():
+        assert verdict["status"] == "pass", verdict
+        for key, limit in verdict["thresholds"].items():
+            assert float(verdict["metrics"][key]) <= limit, (stage, key)
+    assert results["architecture"]["metrics"] == {
+        "layers": 6,
+        "gdn_layers": 0,
+        "attention_layers": 6,
+        "experts": 0,
+        "lora_targets": 7,
+    }
+    # The replica keeps one whole 5 sliding : 1 full period, with a window shorter than the test prompts.
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["sliding_window"] == 4
+    assert results["hf_parity"]["metrics"]["tokens"] > config["sliding_window"]
+    assert results["lora_coverage"]["metrics"]["lora_modules"] == 24
+    assert results["lora_coverage"]["metrics"]["codec_layout_err"] == 0.0
+
+
+def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
+    source, site = installed
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
+        cwd=source, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 passed" in result.stdout
+
+
+def full_attention_everywhere(config: Any, vp_stage: int | None = None) -> Any:
+    """Gemma 3's layer spec with the sliding window forgotten (a broken family spec)."""
+    from model_support_gemma3.layer_spec import gemma3_block_spec
+
+    block = gemma3_block_spec(config, vp_stage)
+    for layer in block.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention.params["window"] = None
+    return block
+
+
+def _run(site: Path, model_dir: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, stage: str, **change: Any):
+    """The results of ``stage`` (and its prerequisites) on the tiny model, with the handler changed by ``change``."""
+    from transformers import AutoConfig
+
+    monkeypatch.syspath_prepend(str(site))
+    from model_support.core.registry import load_registry
+    from model_support.validation.context import CheckContext
+    from model_support.validation.runner import plan, run_checks
+
+    registry = load_registry()
+    good = registry.for_architecture("Gemma3ForCausalLM")
+    broken = dataclasses.replace(good, spec=dataclasses.replace(good.spec, **change))
+    config = AutoConfig.from_pretrained(model_dir)
+    ctx = CheckContext(
+        target="broken-gemma3", model_dir=model_dir, handler=broken, config=config,
+        layout=broken.spec.layout(config), registry=registry, workdir=workdir, tiny=True,
+    )  # fmt: skip
+    report = run_checks(ctx, plan([s.stage for s in registry.stages], [stage]))
+    return {r.stage: r for r in report.results}
+
+
+def test_targets_named_as_vllm_packs_them_fail_architecture(check, site, tmp_path, monkeypatch):
+    from model_support.core.spec import LoraTarget, TargetScope
+    from model_support.validation.stage import Status
+
+    fused = (
+        LoraTarget("linear_qkv", ("qkv_proj",), TargetScope.ATTENTION),
+        LoraTarget("linear_proj", ("o_proj",), TargetScope.ATTENTION),
+    )
+    results = _run(site, check[1], tmp_path, monkeypatch, "architecture", lora_targets=fused)
+    verdict = results["architecture"]
+    assert verdict.status is Status.FAIL
+    assert "qkv_proj" in verdict.summary
+
+
+def test_a_layer_spec_without_the_sliding_window_fails_hf_parity(check, site, tmp_path, monkeypatch):
+    from model_support.validation.stage import Status
+
+    require_megatron()
+
+    spec = f"{__name__}:full_attention_everywhere"
+    results = _run(site, check[1], tmp_path, monkeypatch, "hf_parity", megatron_layer_spec=spec)
+    verdict = results["hf_parity"]
+    assert verdict.status is Status.FAIL, verdict
+    assert verdict.metrics["max_abs_err"] > 1e-2
