@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from model_support.core.discovery import ModelSource, load_config, locate
 from model_support.core.discovery import resolve_handler as _resolve_source
 from model_support.core.layout import ModelLayout
+from model_support.core.parallel import ParallelLayout, ParallelLayoutError
 from model_support.core.registry import RegisteredHandler, Registry, load_registry
 
 if TYPE_CHECKING:
@@ -55,13 +56,6 @@ __all__ = [
     "serve",
     "token_logprobs",
 ]
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the model is split across ranks. ``tensor_parallel`` must divide the world size."""
-
-    tensor_parallel: int = 1
 
 
 @dataclass
@@ -126,13 +120,16 @@ def build_model(
     config = config if config is not None else load_config(source)
     layout = handler.spec.layout(config)
     parallel = parallel or ParallelLayout()
+    refused = handler.spec.runtime.refused(parallel)
+    if refused:
+        raise ParallelLayoutError(f"{handler.spec.name} cannot train in {parallel.name}: {refused}")
     runtime = handler.spec.runtime
     numerics = choose_numerics(runtime.gdn_backend, dtype=dtype)
     mtp = bool(layout.mtp_layers) and not runtime.disable_mtp_for_training
     built = build_megatron_model(
         source.directory,
         config,
-        tensor_parallel=parallel.tensor_parallel,
+        parallel=parallel,
         mtp=mtp,
         numerics=numerics,
         layer_spec=handler.spec.megatron_layer_spec,

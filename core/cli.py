@@ -207,6 +207,13 @@ def check(
         ModelDtype | None,
         typer.Option(help="dtype of the Megatron model under test (default: bf16 on a GPU, fp32 on a CPU)."),
     ] = None,
+    layouts: Annotated[
+        str | None,
+        typer.Option(
+            help="Parallel layouts parallel_parity checks, comma-separated: tpN, epN, sp joined by '-' "
+            "(e.g. tp2,tp2-sp,ep2,tp2-sp-ep2). Default: tp2,tp2-sp; MoE: ep2,tp2-sp,tp2-sp-ep2."
+        ),
+    ] = None,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
     from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
@@ -219,6 +226,9 @@ def check(
             check_report_path(option, path)
     if workdir is not None:
         check_workdir(workdir)
+    from model_support.core.parallel import parse_layouts
+
+    chosen_layouts = parse_layouts(layouts) if layouts else None
     registry = _registry(prefer)
     source = source_for(target, registry, tiny)
     handler = api.resolve(source, registry=registry)
@@ -243,6 +253,7 @@ def check(
             tiny=tiny,
             seed=seed,
             dtype=None if dtype is None else dtype.value,
+            layouts=chosen_layouts,
         )
         err.print(f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}")
         report = run_checks(ctx, stages_to_run, on_result=_print_progress)

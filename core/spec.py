@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from model_support.core.layout import ConfigFields, ModelLayout, derive_layout, text_config
+from model_support.core.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +94,19 @@ class RuntimePolicy:
     # why; the stage's report names each one beside its default limit and this reason.
     tolerances: Mapping[str, float] = field(default_factory=dict)
     tolerance_reason: str = ""
+    # Parallel dimensions ("tensor_parallel", "sequence_parallel", "expert_parallel") the family cannot train in,
+    # with why: build_model refuses a layout using one, and parallel_parity names it instead of checking it.
+    parallel_limits: Mapping[str, str] = field(default_factory=dict)
+
+    def refused(self, layout: ParallelLayout) -> str | None:
+        """Why this family cannot train in ``layout`` (None: it can)."""
+        used = {
+            "tensor_parallel": layout.tensor_parallel > 1,
+            "sequence_parallel": layout.sequence_parallel,
+            "expert_parallel": layout.expert_parallel > 1,
+        }
+        reasons = [f"{dim.replace('_', ' ')}: {why}" for dim, why in self.parallel_limits.items() if used.get(dim)]
+        return "; ".join(reasons) or None
 
 
 @dataclass(frozen=True)
@@ -245,6 +259,12 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
         problems.append(f"tolerances are keyed 'stage.metric', got {malformed}")
     if tolerances and not spec.runtime.tolerance_reason.strip():
         problems.append("tolerances need a tolerance_reason")
+    limits = spec.runtime.parallel_limits
+    unknown = sorted(set(limits) - {"tensor_parallel", "sequence_parallel", "expert_parallel"})
+    if unknown or not all(str(why).strip() for why in limits.values()):
+        problems.append(
+            f"parallel_limits map tensor_parallel / sequence_parallel / expert_parallel to a reason, got {dict(limits)}"
+        )
     for requirement in spec.config_requirements:
         declared = isinstance(requirement, ConfigRequirement) and requirement.allowed and requirement.reason.strip()
         if not (declared or (callable(requirement) and not isinstance(requirement, ConfigRequirement))):

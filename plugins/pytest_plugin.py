@@ -48,6 +48,8 @@ class CheckRequest:
     stages: tuple[str, ...] = ()
     seed: int = 0
     prefer: tuple[tuple[str, str], ...] = ()
+    # Parallel layouts for `parallel_parity` (e.g. ("tp2", "ep2")); empty: the stage's default for the model.
+    layouts: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -93,6 +95,7 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
         workdir=workdir,
         tiny=request.tiny,
         seed=request.seed,
+        layouts=request.layouts or None,
     )
     return run_checks(ctx, stages)
 
@@ -142,9 +145,13 @@ class Harness:
         stages: Sequence[str] | None = None,
         seed: int = 0,
         prefer: dict[str, str] | None = None,
+        layouts: Sequence[str] = (),
     ) -> CheckRequest:
+        from model_support.core.parallel import parse_layouts
+
         chosen = tuple(stages) if stages else self.default_stages
-        return CheckRequest(str(target), tiny, chosen, seed, tuple(sorted((prefer or {}).items())))
+        chosen_layouts = parse_layouts(",".join(layouts)) if layouts else ()
+        return CheckRequest(str(target), tiny, chosen, seed, tuple(sorted((prefer or {}).items())), chosen_layouts)
 
     def planned(self, request: CheckRequest) -> list[str]:
         """The stage names a run of ``request`` reports, in pipeline order."""
@@ -280,7 +287,7 @@ def model_support_stage(request: pytest.FixtureRequest, tmp_path_factory: pytest
 def model_support_check(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Report]:
-    """``model_support_check(target, tiny=False, stages=None, seed=0, prefer=None, expect_pass=True)``.
+    """``model_support_check(target, tiny=False, stages=None, seed=0, prefer=None, layouts=(), expect_pass=True)``.
 
     Runs (or reuses) the check of ``target`` and returns its report; when ``expect_pass`` and a
     stage failed, fails the test with the stage report.
@@ -293,9 +300,10 @@ def model_support_check(
         stages: Sequence[str] | None = None,
         seed: int = 0,
         prefer: dict[str, str] | None = None,
+        layouts: Sequence[str] = (),
         expect_pass: bool = True,
     ) -> Report:
-        report = harness.run(harness.request(target, tiny, stages, seed, prefer), tmp_path_factory)
+        report = harness.run(harness.request(target, tiny, stages, seed, prefer, layouts), tmp_path_factory)
         if expect_pass and report.failed:
             failed = ", ".join(r.stage for r in report.failed)
             pytest.fail(f"model-support stage(s) failed: {failed}\n{harness.failure_message(report)}", pytrace=False)

@@ -43,9 +43,10 @@ FIELD_DOCS = {
     "dependencies": "`DependencyFloor(package, minimum, reason, extra)`: minimum versions the `dependencies` "
     "stage enforces (`extra`: the optional extra that installs the package).",
     "runtime": "`RuntimePolicy(disable_mtp_for_training, gdn_backend, cpu_serving_dtype, cpu_serving_reason, "
-    "tolerances, tolerance_reason)`: how the trainer/server must run the family; `tolerances` "
+    "tolerances, tolerance_reason, parallel_limits)`: how the trainer/server must run the family; `tolerances` "
     "(`{\"stage.metric\": limit}`) replace a stage's limits, and the stage's summary and details name each one with "
-    "the stage's default and the reason.",
+    'the stage\'s default and the reason; `parallel_limits` (`{"tensor_parallel": why}`) are parallel dimensions '
+    "the family cannot train in: `build_model` refuses them and `parallel_parity` names them.",
     "reference_config": "config.json of a real checkpoint of the family; `check <handler> --tiny` replicates it.",
     "config_fields": "`ConfigFields(experts, experts_per_token, expert_intermediate_size, "
     "shared_expert_intermediate_size, dense_layers, layer_kinds, layer_lists, layer_counts)` "

@@ -31,6 +31,8 @@ class CheckContext:
     seed: int = 0
     # The Megatron model's dtype ("bf16" or "fp32"); None: the device's (bf16 on a GPU, fp32 on a CPU).
     dtype: str | None = None
+    # Parallel layouts for `parallel_parity` ("tp2", "tp2-sp", "ep2", ...); None: the stage's default for the model.
+    layouts: tuple[str, ...] | None = None
     artifacts: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -234,6 +234,26 @@ def _export_drops_a_tensor() -> AbstractContextManager[Any]:
     return _pushed_weights(lambda b: {k: v for k, v in b.items() if k != _Q})
 
 
+def _lora_row_reduce_missing() -> AbstractContextManager[Any]:
+    """Row-parallel LoRA branches skip their tensor-parallel all-reduce (each rank adds its partial A(x))."""
+    from megatron.core import tensor_parallel
+
+    return mock.patch.object(tensor_parallel, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
+
+
+def _sequence_parallel_grads_unsynced() -> AbstractContextManager[Any]:
+    from model_support.core.megatron import lora
+
+    return mock.patch.object(lora, "sync_sequence_parallel_grads", lambda model: None)
+
+
+def _experts_not_gathered() -> AbstractContextManager[Any]:
+    """lora_state keeps this expert-parallel rank's experts only: the export drops the other ranks' shards."""
+    from model_support.core.megatron import lora
+
+    return mock.patch.object(lora, "_expert_group", lambda: None)
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("gate-up-swapped", "codec reads Megatron's fused fc1 as [up; gate]", "qwen3", "lora_coverage",
              _gate_up_swapped),
@@ -261,7 +281,34 @@ MUTATIONS: tuple[Mutation, ...] = (
              "rl_trainability", _served_q_halves_swapped, needs_server=True),
     Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
              "merged_serving", _export_drops_a_tensor, needs_server=True),
+    Mutation("lora-tp-all-reduce-missing", "row-parallel LoRA skips its tensor-parallel all-reduce", "qwen3",
+             "parallel_parity", _lora_row_reduce_missing),
+    Mutation("sp-lora-grads-unsynced", "sequence-parallel LoRA factors keep one sequence shard's gradient", "qwen3",
+             "parallel_parity", _sequence_parallel_grads_unsynced),
+    Mutation("expert-shard-dropped", "the LoRA state keeps one expert-parallel rank's experts", "qwen3-moe",
+             "parallel_parity", _experts_not_gathered),
 )  # fmt: skip
+
+# Set while a mutation runs, so that the stages' worker processes (parallel_parity's torchrun job) inject it too.
+MUTATION_ENV = "MODEL_SUPPORT_SELFTEST_MUTATION"
+
+
+@contextmanager
+def injected(name: str) -> Iterator[None]:
+    """The mutation ``name`` in this process and in every process it starts while the context is open."""
+    import os
+
+    mutation = next(m for m in MUTATIONS if m.name == name)
+    previous = os.environ.get(MUTATION_ENV)
+    os.environ[MUTATION_ENV] = name
+    try:
+        with mutation.patch():
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop(MUTATION_ENV, None)
+        else:
+            os.environ[MUTATION_ENV] = previous
 
 
 # --- running them --------------------------------------------------------------------------------------------------
@@ -304,7 +351,7 @@ def run_selftest(
         if m.needs_server and no_server:
             record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
             continue
-        with m.patch():
+        with injected(m.name):
             result = _stage_result(m.handler, m.stage, workdir / m.name)
         record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
     return outcomes

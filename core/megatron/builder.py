@@ -29,7 +29,7 @@ import torch
 from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.errors import ModelSupportError
 from model_support.core.layout import text_config
-from model_support.core.megatron.dist import device, init_parallel
+from model_support.core.megatron.dist import ParallelLayout, device, init_parallel
 from model_support.core.megatron.imports import import_bridge
 
 # Fusions that need transformer-engine, apex or megatron's CUDA extensions, none of which the local spec
@@ -83,6 +83,21 @@ def mapping_registry(model_bridge: Any) -> Any:
             twin.megatron_param = local
             derived.append(twin)
     return MegatronMappingRegistry(*mappings, *derived)
+
+
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+
+
+def global_expert_name(local_name: str, num_experts: int | None) -> str:
+    """A parameter name with this rank's local expert index replaced by the global one (expert parallelism)."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1 or not num_experts:
+        return local_name
+    # Megatron gives each expert-parallel rank a contiguous block of num_experts / ep experts.
+    offset = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep)
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", local_name)
 
 
 def mapping_name(local_name: str, has_mapping: Any) -> str:
@@ -163,9 +178,13 @@ class MegatronModel:
     provider: Any
     bridge: Any  # the family's MegatronModelBridge
     checkpoint: TextCheckpoint
-    tensor_parallel: int
+    parallel: ParallelLayout
     numerics: Numerics
     mapped: dict[str, str] = field(default_factory=dict)  # Megatron param -> HF tensor names it came from
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.parallel.tensor_parallel
 
 
 def text_architecture(config: Any) -> str:
@@ -184,7 +203,7 @@ def load_layer_spec(path: str) -> Callable[..., Any]:
 
 def _configure(
     provider: Any,
-    tensor_parallel: int,
+    parallel: ParallelLayout,
     numerics: Numerics,
     *,
     gdn: bool,
@@ -198,8 +217,10 @@ def _configure(
     provider.params_dtype = numerics.dtype
     provider.bf16 = numerics.dtype == torch.bfloat16
     provider.fp16 = False
-    provider.tensor_model_parallel_size = tensor_parallel
-    provider.sequence_parallel = False
+    provider.tensor_model_parallel_size = parallel.tensor_parallel
+    provider.sequence_parallel = parallel.sequence_parallel
+    provider.expert_model_parallel_size = parallel.expert_parallel
+    provider.expert_tensor_parallel_size = 1  # experts whole on each rank (LoRA on expert-TP shards is refused)
     if not mtp:  # the bridge sets it from the config (top level or text_config, either field name)
         provider.mtp_num_layers = None
     if provider.num_moe_experts:
@@ -227,7 +248,7 @@ def build_megatron_model(
     model_dir: Path,
     config: Any,
     *,
-    tensor_parallel: int = 1,
+    parallel: ParallelLayout | None = None,
     mtp: bool = False,
     numerics: Numerics | None = None,
     layer_spec: str | None = None,
@@ -239,7 +260,8 @@ def build_megatron_model(
     ``layer_spec`` is a handler's ``megatron_layer_spec`` (default: the local spec of :mod:`.spec`).
     """
     import_bridge()
-    init_parallel(tensor_parallel)
+    parallel = parallel or ParallelLayout()
+    init_parallel(parallel)
     numerics = numerics or choose_numerics()
     from megatron.bridge import AutoBridge
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -257,7 +279,7 @@ def build_megatron_model(
     provider = model_bridge.provider_bridge(shim)
     gdn = provider.experimental_attention_variant == "gated_delta_net"
     spec_fn = load_layer_spec(layer_spec) if layer_spec else None
-    _configure(provider, tensor_parallel, numerics, gdn=gdn, mtp=mtp, layer_spec=spec_fn)
+    _configure(provider, parallel, numerics, gdn=gdn, mtp=mtp, layer_spec=spec_fn)
     provider.finalize()
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(0)
@@ -269,7 +291,7 @@ def build_megatron_model(
         with _cpu_as_current_device():
             model = provider.provide().to(numerics.device)
         _keep_on_cpu(model)
-    built = MegatronModel(model, provider, model_bridge, checkpoint, tensor_parallel, numerics)
+    built = MegatronModel(model, provider, model_bridge, checkpoint, parallel, numerics)
     _load_weights(built)
     return built
 
@@ -310,6 +332,31 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
             module.get_emb = _on_cpu(module.get_emb)
         elif isinstance(module, TopKRouter):
             module.gating = _on_cpu(module.gating)
+    config = model.config
+    parallel = config.tensor_model_parallel_size > 1 or config.expert_model_parallel_size > 1
+    if parallel and not torch.cuda.is_available():
+        _collectives_on_cpu()
+
+
+def _collectives_on_cpu() -> None:
+    """megatron-core's tensor-parallel gathers / reduce-scatters (sequence parallelism, the token dispatcher,
+    multi-latent attention) allocate their outputs on the current CUDA device, forward and backward; on a host
+    without one they get the CPU (module functions, looked up at every call)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, mappings
+
+    for name in (
+        "_gather_along_first_dim",
+        "_reduce_scatter_along_first_dim",
+        "_gather_along_last_dim",
+        "_reduce_scatter_along_last_dim",
+    ):
+        function = getattr(mappings, name)
+        if not getattr(function, "on_cpu", False):
+            wrapped = _on_cpu(function)
+            wrapped.on_cpu = True
+            setattr(mappings, name, wrapped)
+    # The sequence-parallel embedding forks the model-parallel CUDA RNG around its dropout; the CPU's RNG stands in.
+    get_cuda_rng_tracker().fork = lambda *_args, **_kwargs: torch.random.fork_rng(devices=[])
 
 
 def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
@@ -338,6 +385,8 @@ def _load_weights(built: MegatronModel) -> None:
     AutoMapping.register_module_type("LocalGatedDeltaNet", "column")
     AutoMapping.register_module_type("RoutedGatedDeltaNet", "column")
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
+    AutoMapping.register_module_type("LocalRMSNorm", "replicated")
+    AutoMapping.register_module_type("PostNormRowParallelLinear", "row")
     registry = mapping_registry(built.bridge)
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
 
@@ -352,7 +401,7 @@ def _load_weights(built: MegatronModel) -> None:
     ]
     missing: list[str] = []
     for name, param in [*built.model.named_parameters(), *buffers]:
-        mapping = lookup(mapping_name(name, lookup))
+        mapping = lookup(mapping_name(global_expert_name(name, built.provider.num_moe_experts), lookup))
         if mapping is None:
             missing.append(name)
             continue

@@ -7,29 +7,28 @@ import os
 import torch
 import torch.distributed as dist
 
-from model_support.core.errors import ModelSupportError
+from model_support.core.parallel import ParallelLayout, ParallelLayoutError
 
-
-class ParallelLayoutError(ModelSupportError):
-    """The requested parallel layout does not fit the world or the caller's initialised groups."""
+__all__ = ["ParallelLayout", "ParallelLayoutError", "device", "init_parallel"]
 
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_parallel(tensor_parallel: int = 1) -> None:
+def init_parallel(layout: ParallelLayout | None = None) -> None:
     """Join (or, when nothing is initialised, set up) torch.distributed and Megatron's model-parallel groups.
 
     A caller that already initialised torch.distributed and megatron-core's parallel state (a trainer) keeps its
-    groups: they are used as they are, never torn down, and a ``tensor_parallel`` that disagrees with them is an
-    error. Otherwise, under a launcher (torchrun) the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables
-    are used. A world of one (no launcher) needs no rendezvous: it gets an in-process store, so it binds no port
-    and leaves nothing in the environment for child processes to inherit (a child that reused a parent's
-    MASTER_PORT would fail with EADDRINUSE).
+    groups: they are used as they are, never torn down, and a layout that disagrees with them is an error.
+    Otherwise, under a launcher (torchrun) the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are
+    used. A world of one (no launcher) needs no rendezvous: it gets an in-process store, so it binds no port and
+    leaves nothing in the environment for child processes to inherit (a child that reused a parent's MASTER_PORT
+    would fail with EADDRINUSE).
     """
     from megatron.core import parallel_state
 
+    layout = layout or ParallelLayout()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -41,18 +40,28 @@ def init_parallel(tensor_parallel: int = 1) -> None:
         else:
             dist.init_process_group(backend, rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
-        existing = parallel_state.get_tensor_model_parallel_world_size()
-        if existing != tensor_parallel:
-            raise ParallelLayoutError(
-                f"megatron-core's parallel state is initialised with tensor parallel {existing}, the model asks for "
-                f"{tensor_parallel}: build it with tensor_parallel={existing} (the caller's groups are kept)"
-            )
+        existing = {
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "expert_parallel": parallel_state.get_expert_model_parallel_world_size(),
+        }
+        for name, size in existing.items():
+            if size != getattr(layout, name):
+                raise ParallelLayoutError(
+                    f"megatron-core's parallel state is initialised with {name.replace('_', ' ')} {size}, the model "
+                    f"asks for {getattr(layout, name)}: build it with {name}={size} (the caller's groups are kept)"
+                )
         return
-    if dist.get_world_size() % tensor_parallel:
+    if dist.get_world_size() % layout.model_parallel:
         raise ParallelLayoutError(
-            f"world size {dist.get_world_size()} is not a multiple of tensor parallel {tensor_parallel}"
+            f"world size {dist.get_world_size()} is not a multiple of tensor parallel {layout.tensor_parallel} x "
+            f"expert parallel {layout.expert_parallel}"
         )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    # Experts stay whole on each rank (expert tensor parallel 1), as LoRA on experts needs.
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=1,
+    )
     from megatron.core import tensor_parallel as mtp
 
     if torch.cuda.is_available():

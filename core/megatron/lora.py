@@ -7,6 +7,14 @@
   this rank's output rows; ``copy_to_tensor_model_parallel_region`` after A all-reduces A's gradient.
 * row-parallel (``linear_proj``, ``linear_fc2``, GDN ``out_proj``): A holds this rank's input columns,
   B [out, r] is replicated; ``reduce_from_tensor_model_parallel_region`` sums the partial A(x).
+* with sequence parallelism the base linears gather / reduce-scatter along the sequence, and the LoRA branch does
+  the same with its rank-r activations: a column-parallel A sees this rank's sequence shard (A(x) is gathered), a
+  row-parallel A(x) is reduce-scattered. The replicated factor (A of a column, B of a row) then gets the gradient
+  of this rank's tokens only; it is marked ``sequence_parallel`` as megatron-core marks its norms, and
+  :func:`sync_sequence_parallel_grads` (or megatron-core's ``finalize_model_grads`` in a trainer) sums it.
+* expert linears under expert parallelism (tensor parallel 1 inside the experts) do their own communication in
+  the token dispatcher; their LoRA is local. :func:`lora_state` names experts by their global index and gathers
+  them from every expert-parallel rank.
 
 :func:`lora_state` / :func:`load_lora_state` move LoRA tensors between the ranks' shards and the
 canonical (TP=1) layout the codecs use. A fused output dimension is sharded per section
@@ -49,14 +57,19 @@ class LoraLinear(torch.nn.Module):
 
         if not isinstance(base, ColumnParallelLinear | RowParallelLinear):
             raise LoraError(f"LoRA wraps ColumnParallelLinear / RowParallelLinear, not {type(base).__name__}")
-        if getattr(base, "explicit_expert_comm", False):
-            # Expert linears under expert tensor parallelism leave their communication to the token
-            # dispatcher; the LoRA branch's copy/reduce would double it. Not supported yet.
+        # Expert linears (reduced over the expert data-parallel group) leave their communication to the token
+        # dispatcher under expert or tensor parallelism.
+        self.expert = bool(getattr(base, "is_expert", False))
+        self.local = bool(getattr(base, "explicit_expert_comm", False))
+        if self.local and base.tp_group.size() > 1:
+            # The dispatcher splits expert activations across expert tensor-parallel ranks; the LoRA branch would
+            # need its own collectives there.
             raise LoraError("LoRA on expert linears with expert tensor parallelism > 1 is not supported")
         self.base = base
         self.column = isinstance(base, ColumnParallelLinear)
         self.group = base.tp_group
         self.tp = self.group.size()
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.local
         weight = base.weight
         out_local, in_local = weight.shape
         self.sections = sections  # full-size row sections of the fused output (column-parallel only)
@@ -66,6 +79,8 @@ class LoraLinear(torch.nn.Module):
         self.lora_B = torch.nn.Linear(rank, out_local, bias=False, device=weight.device, dtype=torch.float32)
         torch.nn.init.zeros_(self.lora_B.weight)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        replicated = self.lora_A.weight if self.column else self.lora_B.weight
+        replicated.sequence_parallel = self.sequence_parallel
 
     def reset_parameters(self) -> None:
         """A fresh adapter: A drawn as ``torch.nn.Linear`` draws it, B = 0 (so the model is unchanged)."""
@@ -75,17 +90,25 @@ class LoraLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs):
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         # A projection with its own output norm takes the update before that norm, as the merged weight would.
         post_norm = getattr(self.base, "post_layernorm", None)
         out, bias = (self.base if post_norm is None else self.base.project)(x, *args, **kwargs)
         hidden = self.lora_A(x.to(self.lora_A.weight.dtype))
-        if self.column:
-            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.group)
-        else:
-            hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.group)
+        if self.column and not self.local:
+            if self.sequence_parallel:
+                hidden = gather_from_sequence_parallel_region(hidden, group=self.group)
+            else:
+                hidden = copy_to_tensor_model_parallel_region(hidden, group=self.group)
+        elif not self.local:
+            if self.sequence_parallel:
+                hidden = reduce_scatter_to_sequence_parallel_region(hidden, group=self.group)
+            else:
+                hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.group)
         out = out + (self.scale * self.lora_B(hidden)).to(out.dtype)
         return (out if post_norm is None else post_norm(out)), bias
 
@@ -195,19 +218,56 @@ def lora_modules(model: torch.nn.Module) -> dict[str, LoraLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
 
 
+def _by_global_name(model: torch.nn.Module) -> dict[str, LoraLinear]:
+    """This rank's LoRA modules, experts named by their global index (the single-rank model's names)."""
+    from model_support.core.megatron.builder import global_expert_name
+
+    experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
+    return {global_expert_name(name, experts): module for name, module in lora_modules(model).items()}
+
+
+def _expert_group():
+    """The expert-parallel group when experts are split across ranks, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return (
+        parallel_state.get_expert_model_parallel_group()
+        if parallel_state.get_expert_model_parallel_world_size() > 1
+        else None
+    )
+
+
 def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Canonical LoRA tensors keyed ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``."""
+    """Canonical LoRA tensors keyed ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, the whole model's on
+    every rank (tensor-parallel shards gathered, experts of every expert-parallel rank)."""
     out = {}
-    for name, module in lora_modules(model).items():
+    for name, module in _by_global_name(model).items():
         a, b = module.canonical()
         out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = a, b
+    group = _expert_group()
+    if group is not None:
+        experts = {k: v.cpu() for k, v in out.items() if ".local_experts." in k}
+        gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size())]
+        dist.all_gather_object(gathered, experts, group=group)
+        device = next(iter(out.values())).device
+        for part in gathered:
+            out.update({k: v.to(device) for k, v in part.items()})
     return out
 
 
 def load_lora_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load canonical LoRA tensors (exact inverse of :func:`lora_state`); every LoRA module must be covered."""
-    modules = lora_modules(model)
-    expected = {f"{n}.lora_{w}.weight" for n in modules for w in "AB"}
+    """Load canonical LoRA tensors (exact inverse of :func:`lora_state`); every LoRA module must be covered, and
+    every tensor must belong to a LoRA module of the model (on some expert-parallel rank)."""
+    modules = _by_global_name(model)
+    local = {f"{n}.lora_{w}.weight" for n in modules for w in "AB"}
+    expected = set(local)
+    group = _expert_group()
+    if group is not None:
+        names: list[set[str]] = [set() for _ in range(group.size())]
+        dist.all_gather_object(names, local, group=group)
+        expected = set().union(*names)
     if set(tensors) != expected:
         extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
         raise LoraError(f"LoRA tensors do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -215,12 +275,23 @@ def load_lora_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
         module.load_canonical(tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"])
 
 
+def sync_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Sum the gradients of LoRA factors marked ``sequence_parallel`` over the tensor-parallel group (each rank saw
+    its own sequence shard), as megatron-core's ``finalize_model_grads`` does for a trainer's wrapped model."""
+    for module in lora_modules(model).values():
+        for param in (module.lora_A.weight, module.lora_B.weight):
+            if getattr(param, "sequence_parallel", False) and param.grad is not None:
+                dist.all_reduce(param.grad, group=module.group)
+
+
 def random_lora_state(model: torch.nn.Module, *, seed: int, b_std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Canonical LoRA tensors with a random, non-zero B (same on every rank and TP size, given ``seed``)."""
+    """Canonical LoRA tensors with a random, non-zero B (the same on every rank and in every layout, given
+    ``seed``: drawn over the whole model's modules in name order)."""
     gen = torch.Generator().manual_seed(seed)
+    shapes = lora_state(model)
     out = {}
-    for name, module in sorted(lora_modules(model).items()):
-        a, b = module.canonical()
+    for name in sorted({k.rsplit(".lora_", 1)[0] for k in shapes}):
+        a, b = shapes[f"{name}.lora_A.weight"], shapes[f"{name}.lora_B.weight"]
         out[f"{name}.lora_A.weight"] = torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5
         out[f"{name}.lora_B.weight"] = torch.randn(b.shape, generator=gen) * b_std
     return out

@@ -25,19 +25,48 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """RMSNorm computing ``norm(x) * (1 + weight)`` in fp32."""
+class LocalRMSNorm(torch.nn.Module):
+    """RMSNorm computing ``norm(x) * weight`` in fp32; unlike megatron-core's torch-norm wrapper it runs under
+    sequence parallelism (its weight is marked ``sequence_parallel``, as megatron-core marks its own norms)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(self._initial(hidden_size, config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
+
+    @staticmethod
+    def _initial(size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.ones(size, dtype=dtype)
+
+    def _gain(self) -> torch.Tensor:
+        return self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+        return (out * self._gain()).to(x.dtype)
+
+
+class ZeroCenteredRMSNorm(LocalRMSNorm):
+    """RMSNorm computing ``norm(x) * (1 + weight)`` in fp32."""
+
+    @staticmethod
+    def _initial(size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype)
+
+    def _gain(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
+
+
+def local_norm(config: Any) -> type[LocalRMSNorm] | None:
+    """The norm model-support substitutes for the local spec's: zero-centred gamma (which megatron-core's torch norm
+    refuses), or RMSNorm under sequence parallelism (likewise); None keeps megatron-core's."""
+    if config.layernorm_zero_centered_gamma:
+        return ZeroCenteredRMSNorm
+    if config.sequence_parallel and config.normalization == "RMSNorm":
+        return LocalRMSNorm
+    return None
 
 
 class SDPAttention(MegatronModule):
@@ -113,12 +142,15 @@ class PostNormRowParallelLinear(RowParallelLinear):
 def _localize(spec: ModuleSpec, config: Any) -> ModuleSpec:
     """Put model-support's CPU-capable modules into one megatron-core local layer spec (in place)."""
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    if config.layernorm_zero_centered_gamma:
-        spec.submodules.input_layernorm = ZeroCenteredRMSNorm
-        spec.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
-        if config.qk_layernorm:
-            spec.submodules.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
-            spec.submodules.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    norm = local_norm(config)
+    if norm is not None:
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        attention = spec.submodules.self_attention.submodules
+        # q/k norms of self-attention, q/kv norms of multi-latent attention: those the spec builds.
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            if getattr(attention, name, None) is not None:
+                setattr(attention, name, norm)
     return spec
 
 
@@ -140,8 +172,7 @@ def gpt_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBlock
     )
     for spec in {id(s): s for s in block.layer_specs}.values():
         _localize(spec, config)
-    if config.layernorm_zero_centered_gamma:
-        block.layer_norm = ZeroCenteredRMSNorm
+    block.layer_norm = local_norm(config) or block.layer_norm
     return block
 
 
@@ -176,5 +207,5 @@ def hybrid_block_spec(
         if kind == 1:
             spec.submodules.self_attention = gdn
         layers.append(spec)
-    norm = ZeroCenteredRMSNorm if config.layernorm_zero_centered_gamma else base.submodules.input_layernorm
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
+    final_norm = local_norm(config) or base.submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from model_support.core.megatron.builder import build_megatron_model
+from model_support.core.megatron.dist import ParallelLayout
 from model_support.core.megatron.forward import logits
 from model_support.core.megatron.hf_export import hf_weights
 from model_support.core.megatron.lora import apply_lora, load_lora_state, lora_state, random_lora_state
@@ -28,7 +29,9 @@ def main(handler: str, model_dir: Path, out_dir: Path) -> None:
     spec = {h.name: h for h in BUILTIN_HANDLERS}[handler]
     config = AutoConfig.from_pretrained(model_dir)
     layout = spec.layout(config)
-    built = build_megatron_model(model_dir, config, tensor_parallel=int(os.environ["WORLD_SIZE"]))
+    built = build_megatron_model(
+        model_dir, config, parallel=ParallelLayout(tensor_parallel=int(os.environ["WORLD_SIZE"]))
+    )
     model = built.model
     apply_lora(model, spec, rank=4, alpha=8.0)
     load_lora_state(model, random_lora_state(model, seed=3, b_std=0.05))

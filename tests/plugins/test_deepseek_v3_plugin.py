@@ -17,7 +17,7 @@ from tests.helpers import run_cli
 pytestmark = pytest.mark.slow
 
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-deepseek-v3"
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability", "parallel_parity")
 SERVING_STAGES = (
     "native_vllm_lora",
     "merged_serving",
@@ -69,6 +69,11 @@ def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path]
         assert (parity["router_layers"], parity["router_flips"], parity["mtp_layers_built"]) == (1, 0, 0)
         assert parity["rel_l2"] < 1e-5
         assert results["lora_coverage"]["metrics"]["peft_tensors"] == 56
+        # Expert parallel is checked; tensor parallel is refused by the handler, and the stage says why.
+        parity = results["parallel_parity"]
+        assert parity["metrics"]["layouts"] == 1 and parity["summary"].startswith("1/1 layouts (ep2)")
+        assert any("tp2-sp: not checked, the handler refuses it (tensor parallel: megatron-core 0.19.2" in d
+                   for d in parity["details"])  # fmt: skip
 
     unavailable = backend().unavailable_reason()
     if unavailable is not None:

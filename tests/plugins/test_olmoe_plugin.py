@@ -14,7 +14,7 @@ from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow
 OLMOE_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability", "parallel_parity")
 SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch")
 
 
@@ -51,6 +51,8 @@ def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
     coverage = results["lora_coverage"]["metrics"]
     assert coverage["codec_layout_err"] == 0 and coverage["roundtrip_mismatches"] == 0
     assert coverage["adapter_logits_max_abs_err"] < 1e-5 and coverage["peft_tensors"] == 64
+    # The whole-projection q/k norm under tensor + sequence parallelism and expert parallelism.
+    assert results["parallel_parity"]["metrics"]["layouts"] == 3
     unavailable = get_backend("vllm").unavailable_reason()
     if unavailable is not None:  # no vLLM runtime: every serving stage says why
         for stage in (*SERVING_STAGES, "rl_trainability"):

@@ -8,6 +8,7 @@ from model_support.validation.stages.lora_coverage import LoraCoverageStage
 from model_support.validation.stages.merged_serving import MergedServingStage
 from model_support.validation.stages.native_vllm_lora import NativeVllmLoraStage
 from model_support.validation.stages.packed_position_ids import PackedPositionIdsStage
+from model_support.validation.stages.parallel_parity import ParallelParityStage
 from model_support.validation.stages.rl_trainability import RlTrainabilityStage
 from model_support.validation.stages.train_inference_mismatch import TrainInferenceMismatchStage
 from model_support.validation.stages.trainability import TrainabilityStage
@@ -21,6 +22,7 @@ BUILTIN_STAGES = (
     LoraCoverageStage,
     PackedPositionIdsStage,
     TrainabilityStage,
+    ParallelParityStage,
     NativeVllmLoraStage,
     MergedServingStage,
     ChatTemplateRolloutStage,
@@ -38,6 +40,7 @@ __all__ = [
     "MergedServingStage",
     "NativeVllmLoraStage",
     "PackedPositionIdsStage",
+    "ParallelParityStage",
     "RlTrainabilityStage",
     "TrainInferenceMismatchStage",
     "TrainabilityStage",

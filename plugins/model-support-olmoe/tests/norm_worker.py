@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from model_support.core.megatron.dist import init_parallel
+from model_support.core.megatron.dist import ParallelLayout, init_parallel
 from safetensors.torch import save_file
 
 from model_support_olmoe.megatron import ProjectionRMSNorm
@@ -19,7 +19,7 @@ HEADS, HEAD_DIM = 4, 8
 
 
 def main(out: str) -> None:
-    init_parallel(int(os.environ["WORLD_SIZE"]))
+    init_parallel(ParallelLayout(tensor_parallel=int(os.environ["WORLD_SIZE"])))
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2, HEADS, HEAD_DIM, generator=generator)

@@ -63,6 +63,13 @@ DEEPSEEK_V3 = HandlerSpec(
         disable_mtp_for_training=True,
         cpu_serving_dtype="bfloat16",
         cpu_serving_reason="vLLM's CPU MLA backend (AMX_MLA) takes bf16 weights only",
+        # Found by parallel_parity (tp2-sp: kv_a_proj_with_mqa's rope rows of the LoRA gradient off by 3.9e-3, the
+        # latent rows exact): with the local spec's column-parallel linear_kv_down_proj, megatron-core gathers the
+        # shared rope key and splits its gradient back, dropping the other ranks' heads' part.
+        parallel_limits={
+            "tensor_parallel": "megatron-core 0.19.2's local multi-latent attention keeps only this rank's heads' "
+            "gradient of the shared rope key (k_pos_emb) at tensor parallel > 1"
+        },
     ),
     reference_config=REFERENCE_CONFIG,
     config_fields=ConfigFields(

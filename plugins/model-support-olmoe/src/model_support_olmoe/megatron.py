@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.transformer.spec_utils import ModuleSpec
-from model_support.core.megatron.spec import gpt_layer_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from model_support.core.megatron.spec import gpt_block_spec
 from torch.distributed.nn.functional import all_reduce
 
 
@@ -53,10 +53,11 @@ class ProjectionRMSNorm(torch.nn.Module):
         return (out * self.weight.float().view(x.shape[-2], x.shape[-1])).to(x.dtype)
 
 
-def layer_spec(config: Any) -> ModuleSpec:
-    """model-support's local GPT layer with :class:`ProjectionRMSNorm` as q and k norm."""
-    spec = gpt_layer_spec(config)
-    attention = spec.submodules.self_attention.submodules
-    attention.q_layernorm = functools.partial(ProjectionRMSNorm, heads=config.num_attention_heads)
-    attention.k_layernorm = functools.partial(ProjectionRMSNorm, heads=config.num_query_groups)
-    return spec
+def layer_spec(config: Any, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """model-support's local GPT layers with :class:`ProjectionRMSNorm` as q and k norm."""
+    block = gpt_block_spec(config, vp_stage)
+    for spec in {id(s): s for s in block.layer_specs}.values():
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = functools.partial(ProjectionRMSNorm, heads=config.num_attention_heads)
+        attention.k_layernorm = functools.partial(ProjectionRMSNorm, heads=config.num_query_groups)
+    return block

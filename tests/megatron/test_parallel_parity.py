@@ -1,0 +1,79 @@
+"""`parallel_parity`: every default layout of a dense and an MoE handler matches the single-rank model (one torchrun
+job of gloo processes per handler), and a malformed --layouts is a one-line error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from model_support.core.parallel import ParallelLayout, ParallelLayoutError, parse_layouts
+from tests.helpers import run_cli
+from tests.megatron.conftest import require_megatron
+
+LIMITS = {"logits_max_abs_err": 1e-4, "grad_max_abs_err": 1e-5, "adapter_mismatches": 0, "router_topk_mismatches": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("handler", "layouts"), [("qwen3", ("tp2", "tp2-sp")), ("qwen3.5-moe", ("ep2", "tp2-sp", "tp2-sp-ep2"))]
+)
+def test_default_layouts_match_the_single_rank_model(handler: str, layouts: tuple[str, ...], tmp_path: Path):
+    require_megatron()
+    report_path = tmp_path / "report.json"
+    result = run_cli("check", handler, "--tiny", "-s", "parallel_parity", "--json", str(report_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    verdict = {r["stage"]: r for r in json.loads(report_path.read_text())["results"]}["parallel_parity"]
+    assert verdict["status"] == "pass", verdict
+    metrics = verdict["metrics"]
+    assert metrics["layouts"] == len(layouts) and metrics["layouts_failed"] == 0
+    assert metrics["world_size"] == max(ParallelLayout.parse(name).model_parallel for name in layouts)
+    for name in layouts:
+        for key, limit in LIMITS.items():
+            assert metrics[f"{name}.{key}"] <= limit, (name, key, metrics[f"{name}.{key}"])
+    if handler.endswith("moe"):  # every router's top-k sets compared, none differ
+        assert metrics["router_topk_mismatches"] == 0
+
+
+def test_layouts_parse_to_canonical_names_and_refuse_what_they_cannot_say():
+    assert parse_layouts("tp2, tp2-sp,EP2,tp2xep2") == ("tp2", "tp2-sp", "ep2", "tp2-ep2")
+    assert ParallelLayout.parse("tp2-sp-ep2") == ParallelLayout(2, True, 2)
+    with pytest.raises(ParallelLayoutError, match="parts are tpN, epN and sp"):
+        parse_layouts("pp2")
+    with pytest.raises(ParallelLayoutError, match="needs tensor_parallel > 1"):
+        parse_layouts("sp")
+
+
+def test_check_with_a_malformed_layout_is_a_one_line_error():
+    result = run_cli("check", "qwen3", "--tiny", "--layouts", "cp2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("parts are tpN, epN and sp (e.g. tp2-sp-ep2)")
+
+
+def test_a_handler_refuses_the_parallel_dimensions_it_declares_it_cannot_train_in():
+    import dataclasses
+
+    from model_support.core.spec import RuntimePolicy, SpecError
+    from model_support.handlers.qwen3 import QWEN3_MOE
+
+    policy = RuntimePolicy(parallel_limits={"tensor_parallel": "the kernel keeps one rank's gradient"})
+    assert policy.refused(ParallelLayout(expert_parallel=2)) is None
+    assert policy.refused(ParallelLayout(2, True, 2)) == "tensor parallel: the kernel keeps one rank's gradient"
+    with pytest.raises(SpecError, match="parallel_limits map tensor_parallel / sequence_parallel / expert_parallel"):
+        dataclasses.replace(QWEN3_MOE, runtime=RuntimePolicy(parallel_limits={"pipeline_parallel": "not built"}))
+
+
+def test_build_model_refuses_a_layout_the_handler_refuses(tiny_model_dir):
+    import dataclasses
+
+    from model_support.core import api
+    from model_support.core.registry import load_registry
+    from model_support.core.spec import RuntimePolicy
+
+    handler = load_registry().get("qwen3")
+    limited = dataclasses.replace(
+        handler, spec=dataclasses.replace(handler.spec, runtime=RuntimePolicy(parallel_limits={"expert_parallel": "x"}))
+    )
+    with pytest.raises(ParallelLayoutError, match="qwen3 cannot train in ep2: expert parallel: x"):
+        api.build_model(tiny_model_dir("qwen3"), handler=limited, parallel=ParallelLayout(expert_parallel=2))

@@ -1,0 +1,145 @@
+"""Stage `parallel_parity`: every parallel layout trains the single-rank model, to round-off."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import ClassVar
+
+import torch
+
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+
+# Layouts checked when the run names none: tensor parallel (with and without sequence parallel) for every family;
+# expert parallel, alone and with tensor + sequence parallel, for MoE (megatron-core needs sequence parallel for an
+# MoE model at tensor parallel > 1). World sizes 2 and 4.
+DENSE_LAYOUTS = ("tp2", "tp2-sp")
+MOE_LAYOUTS = ("ep2", "tp2-sp", "tp2-sp-ep2")
+
+
+def default_layouts(moe: bool) -> tuple[str, ...]:
+    return MOE_LAYOUTS if moe else DENSE_LAYOUTS
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ParallelParityStage(Stage):
+    """The handler's model in each parallel layout against the same model on one rank (the oracle, fp32), in one
+    ``torchrun`` job (:mod:`model_support.validation.parallel_worker`; gloo on the CPU): the same canonical random
+    LoRA, the same tokens. Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the loss, every
+    LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and mean-abs-percent of the
+    oracle's update), each router's top-k expert sets (identical), and the PEFT adapter exported before the step
+    (bit for bit). Layouts come from ``check --layouts`` (default: tp2, tp2-sp; MoE: ep2, tp2-sp, tp2-sp-ep2)."""
+
+    name = "parallel_parity"
+    title = "Tensor (+ sequence) and expert parallel layouts match the single-rank model: logits, loss, LoRA grads."
+    order = 62
+    requires = ("lora_coverage",)
+    packages = MEGATRON_PACKAGES
+    # fp32 on both sides: a layout that drops a reduction or mis-slices a shard is off by O(1).
+    thresholds: ClassVar[dict[str, float]] = {
+        "logits_max_abs_err": 1e-4,
+        "logits_mean_abs_pct": 0.01,
+        "loss_abs_err": 1e-5,
+        "grad_max_abs_err": 1e-5,
+        "grad_mean_abs_pct": 0.01,
+        "router_topk_mismatches": 0,
+        "adapter_mismatches": 0,
+        "layouts_failed": 0,
+    }
+    timeout_s = 900
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        from safetensors.torch import load_file
+
+        from model_support.core.megatron.dist import ParallelLayout
+        from model_support.validation.parallel_worker import LR
+
+        details: list[str] = []
+        layouts: list[str] = []
+        for name in ctx.layouts or default_layouts(ctx.layout.moe is not None):
+            refused = ctx.spec.runtime.refused(ParallelLayout.parse(name))
+            if refused:  # the family's declared limit: training there is refused, so there is nothing to compare
+                details.append(f"{name}: not checked, the handler refuses it ({refused})")
+            else:
+                layouts.append(name)
+        if not layouts:
+            return self.skipped(f"the handler refuses every layout asked for: {'; '.join(details)}")
+        world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
+        out = ctx.workdir / "parallel-parity"
+        log = ctx.workdir / "parallel-parity.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}"]
+        cmd += [f"--master_port={_free_port()}", "-m", "model_support.validation.parallel_worker"]
+        cmd += [str(out), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        gpus = torch.cuda.device_count()
+        if gpus < world:  # one process per GPU, or all on the CPU (gloo)
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        with log.open("w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=self.timeout_s)
+        oracle_file = out / "single.safetensors"
+        if not oracle_file.exists():
+            error = (out / "single.error").read_text().splitlines()[0] if (out / "single.error").exists() else ""
+            return self.failed(
+                f"the single-rank oracle did not run (exit {proc.returncode}{': ' + error if error else ''}); see {log}"
+            )
+        oracle = load_file(str(oracle_file))
+        device = "CPU (gloo)" if gpus < world else f"{world} GPUs (NCCL)"
+        details.insert(
+            0, f"world size {world} on {device}; the ranks not in a layout's model-parallel groups are data parallel"
+        )
+        worst: dict[str, float] = dict.fromkeys(self.thresholds, 0.0)
+        metrics: dict[str, float | int | str] = {"layouts": len(layouts), "world_size": world}
+        failed = 0
+        for name in layouts:
+            result = out / f"{name}.safetensors"
+            if not result.exists():
+                error = (out / f"{name}.error").read_text().splitlines()[0] if (out / f"{name}.error").exists() else ""
+                details.append(f"{name}: did not run ({error or f'exit {proc.returncode}'})")
+                failed += 1
+                continue
+            numbers = compare(oracle, load_file(str(result)), LR)
+            details.append(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in numbers.items()))
+            for key, value in numbers.items():
+                metrics[f"{name}.{key}"] = value
+                worst[key] = max(worst[key], value)
+        worst["layouts_failed"] = failed
+        metrics |= worst
+        summary = f"{len(layouts) - failed}/{len(layouts)} layouts ({', '.join(layouts)}) match the single-rank model"
+        return self.judge(metrics, dict(self.thresholds), summary, details, ctx=ctx)
+
+
+def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
+    """The distances of one layout's results from the single-rank oracle's (see :class:`ParallelParityStage`)."""
+    logits_err = (other["logits"] - oracle["logits"]).abs()
+    before = sorted(k for k in oracle if k.startswith("before."))
+    after = sorted(k for k in oracle if k.startswith("after."))
+    mismatched = sum(1 for k in before if k not in other or not torch.equal(other[k], oracle[k]))
+    mismatched += sum(1 for k in other if k.startswith("before.") and k not in oracle)
+    # An SGD step moved each LoRA tensor by -lr * grad: the difference of the updates is the gradients' times lr.
+    update = torch.cat([(oracle[k] - oracle[k.replace("after.", "before.")]).flatten() for k in after])
+    update_err = torch.cat([(other[k] - oracle[k]).flatten() if k in other else oracle[k].flatten() for k in after])
+    topk = sorted(k for k in oracle if k.startswith("topk."))
+    topk_mismatches = sum(
+        int((other[k] != oracle[k]).any(-1).sum())
+        if k in other and other[k].shape == oracle[k].shape
+        else len(oracle[k])
+        for k in topk
+    )
+    return {
+        "logits_max_abs_err": logits_err.max().item(),
+        "logits_mean_abs_pct": 100 * logits_err.mean().item() / oracle["logits"].abs().mean().item(),
+        "loss_abs_err": (other["loss"] - oracle["loss"]).abs().item(),
+        "grad_max_abs_err": update_err.abs().max().item() / lr,
+        "grad_mean_abs_pct": 100 * update_err.abs().mean().item() / max(update.abs().mean().item(), 1e-30),
+        "router_topk_mismatches": topk_mismatches,
+        "adapter_mismatches": mismatched,
+    }
