@@ -17,7 +17,7 @@ def parallel() -> None:
     require_megatron()
     from model_support.core.megatron.dist import init_parallel
 
-    init_parallel(1)
+    init_parallel()
 
 
 def _transformer_config(**kw):

@@ -28,6 +28,11 @@ from model_support.core.spec import (
 # config.json of a real checkpoint of the family: `model-support check {{ cookiecutter.handler_name }} --tiny` replicates it.
 REFERENCE_CONFIG = Path(__file__).with_name("reference_config.json")
 
+# Where the family differs from the defaults, declare it here (docs/adding-a-model.md): config_fields (where
+# the config keeps expert counts, widths, dense layers, layer kinds), tiny_config (tiny-replica sizes),
+# megatron_layer_spec (modules of its own), config_requirements (configs it cannot build),
+# RuntimePolicy(tolerances=..., parallel_limits=...), and a bridge megatron-bridge lacks through the
+# model_support_megatron_bridges hook.
 HANDLER = HandlerSpec(
     name="{{ cookiecutter.handler_name }}",
     description="{{ cookiecutter.description }}",
