@@ -332,8 +332,8 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
             module.get_emb = _on_cpu(module.get_emb)
         elif isinstance(module, TopKRouter):
             module.gating = _on_cpu(module.gating)
-    config = model.config
-    parallel = config.tensor_model_parallel_size > 1 or config.expert_model_parallel_size > 1
+    config = getattr(model, "config", None)
+    parallel = config is not None and (config.tensor_model_parallel_size > 1 or config.expert_model_parallel_size > 1)
     if parallel and not torch.cuda.is_available():
         _collectives_on_cpu()
 
