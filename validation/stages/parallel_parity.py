@@ -37,7 +37,10 @@ class ParallelParityStage(Stage):
     LoRA, the same tokens. Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the loss, every
     LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and mean-abs-percent of the
     oracle's update), each router's top-k expert sets (identical), and the PEFT adapter exported before the step
-    (bit for bit). Layouts come from ``check --layouts`` (default: tp2, tp2-sp; MoE: ep2, tp2-sp, tp2-sp-ep2)."""
+    (bit for bit). Layouts come from ``check --layouts`` (default: tp2, tp2-sp; MoE: ep2, tp2-sp, tp2-sp-ep2); a
+    layout the handler refuses (``RuntimePolicy.parallel_limits``) is named with its reason instead. With as many
+    GPUs as the largest layout needs the job runs one process per GPU (NCCL), else on the CPU (gloo). Pipeline and
+    context parallelism are not built yet, so no layout uses them."""
 
     name = "parallel_parity"
     title = "Tensor (+ sequence) and expert parallel layouts match the single-rank model: logits, loss, LoRA grads."
