@@ -182,8 +182,11 @@ def shrink_vision(cfg: dict[str, Any]) -> None:
             vision[key] = value
     if "out_hidden_size" in vision:
         vision["out_hidden_size"] = text_section(cfg)["hidden_size"]
-    if vision.get("deepstack_visual_indexes"):
-        vision["deepstack_visual_indexes"] = [0]
+    # Lists of vision-layer indexes (e.g. the layers a vision tower taps for its merger) follow the shrunk depth.
+    depth = vision.get("depth", _VISION_DIMS["depth"])
+    for key, value in vision.items():
+        if key.endswith("_indexes") and isinstance(value, list) and value:
+            vision[key] = [i for i in value if i < depth] or [0]
 
 
 def _shrink_text(text: dict[str, Any], vocab_size: int, n_layers: int, fields: ConfigFields) -> None:
