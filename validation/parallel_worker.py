@@ -35,8 +35,8 @@ LR = 0.5
 TOKENS = (2, 16)  # batch, sequence (a multiple of every tensor-parallel size tried)
 
 
-def _single(layout: str) -> ParallelLayout:
-    return ParallelLayout() if layout == "single" else ParallelLayout.parse(layout)
+def _layout(name: str) -> ParallelLayout:
+    return ParallelLayout() if name == "single" else ParallelLayout.parse(name)
 
 
 def _router_topk(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.utils.hooks.RemovableHandle]]:
@@ -86,7 +86,7 @@ def _average_replicas(model: torch.nn.Module) -> None:
 def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> None:
     from megatron.core import parallel_state
 
-    layout = _single(name)
+    layout = _layout(name)
     handler = load_registry().get(handler_name)
     model = api.build_model(model_dir, handler=handler, parallel=layout, dtype=torch.float32)
     api.apply_lora(model, rank=4, alpha=8.0)
