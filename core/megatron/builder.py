@@ -17,6 +17,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -285,15 +286,38 @@ def build_megatron_model(
     torch.manual_seed(0)
     # One RouterReplay per router of the model being built (the class keeps a process-wide list).
     RouterReplay.clear_global_router_replay_instances()
-    if numerics.device.type == "cuda":
-        model = provider.provide().to(numerics.device)
-    else:
-        with _cpu_as_current_device():
+    with _te_attention_env_kept():
+        if numerics.device.type == "cuda":
             model = provider.provide().to(numerics.device)
-        _keep_on_cpu(model)
+        else:
+            with _cpu_as_current_device():
+                model = provider.provide().to(numerics.device)
+            _keep_on_cpu(model)
     built = MegatronModel(model, provider, model_bridge, checkpoint, parallel, numerics)
     _load_weights(built)
     return built
+
+
+_TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextlib.contextmanager
+def _te_attention_env_kept() -> Iterator[None]:
+    """Build with transformer-engine's attention switches unset, and leave them as they were.
+
+    megatron-core's language model asserts those process-wide variables agree with the provider's attention backend
+    and then sets them; one family's provider (Gemma 3: flash) would then refuse to build after another's (auto), in
+    one process or in the processes it starts. The local spec runs no transformer-engine attention either way.
+    """
+    saved = {name: os.environ.pop(name, None) for name in _TE_ATTENTION_ENV}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -150,3 +150,19 @@ def test_every_rotary_embedding_of_a_model_runs_on_the_cpu() -> None:
         freqs = torch.outer(torch.arange(6, dtype=torch.float32), inv)
         assert emb.device.type == "cpu"
         torch.testing.assert_close(emb[:, 0, 0], torch.cat((freqs, freqs), -1))
+
+
+def test_a_build_neither_reads_nor_changes_transformer_engines_attention_switches(tiny_model_dir, monkeypatch):
+    """megatron-core asserts NVTE_*_ATTN agree with the provider's attention backend, then sets them process-wide:
+    one family's build (auto) made the next (Gemma 3: flash) refuse to build, in-process and in child processes."""
+    import os
+
+    from transformers import AutoConfig
+
+    from model_support.core.megatron.builder import build_megatron_model
+
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")  # what a flash- or local-backend build before this one leaves
+    monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
+    model_dir = tiny_model_dir("qwen3")
+    build_megatron_model(model_dir, AutoConfig.from_pretrained(model_dir))  # qwen3's provider: backend auto
+    assert os.environ["NVTE_FLASH_ATTN"] == "0" and "NVTE_FUSED_ATTN" not in os.environ
