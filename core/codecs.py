@@ -28,7 +28,6 @@ Megatron is imported on the first conversion, never when a codec is created (han
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections.abc import Mapping
@@ -104,21 +103,14 @@ class _Family:
 
     @classmethod
     def of(cls, config: Any, codec: str) -> _Family:
-        from model_support.core.megatron.builder import mapping_registry, text_architecture
-        from model_support.core.megatron.imports import import_bridge
+        from model_support.core.megatron.builder import MegatronBuildError, family_bridge, mapping_registry
 
-        import_bridge()
-        from megatron.bridge import AutoBridge
+        try:
+            model_bridge, tcfg = family_bridge(config)
+        except MegatronBuildError as exc:
+            raise CodecError(f"{codec} codec: {exc}") from None
         from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 
-        tcfg = copy.deepcopy(text_config(config))
-        tcfg.architectures = [text_architecture(config)]
-        try:
-            model_bridge = AutoBridge.from_hf_config(tcfg)._model_bridge
-        except ValueError as exc:
-            raise CodecError(
-                f"{codec} codec: megatron-bridge has no bridge for {tcfg.architectures[0]}: {exc}"
-            ) from None
         # No checkpoint: a bridge that picks expert mappings by the checkpoint's keys (Qwen3.5-MoE) takes its default,
         # per-expert names (experts.<e>.gate_proj), which is how PEFT and vLLM address experts in any checkpoint.
         shim = SimpleNamespace(config=tcfg, generation_config=None)

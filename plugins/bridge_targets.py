@@ -9,7 +9,6 @@ mapping reads are reported as unmapped, so the generated declaration never claim
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from typing import Any
 
 from model_support.core import targets as standard
 from model_support.core.errors import ModelSupportError
-from model_support.core.layout import ModelLayout, text_config
+from model_support.core.layout import ModelLayout
 from model_support.core.spec import LoraTarget, TargetScope
 
 # Megatron's names for a linear module: linear_qkv, linear_fc1, linear_q_down_proj, ...; GDN's in_proj / out_proj.
@@ -92,20 +91,14 @@ def bridge_targets(config: Any, layout: ModelLayout, hf_linears: set[str]) -> Br
     """The LoRA targets of ``config``'s family by its megatron-bridge mappings; ``hf_linears`` are the leaf names of
     the HF model's decoder-layer linear modules (those the bridge leaves unmapped are reported)."""
     try:
-        from model_support.core.megatron.builder import text_architecture
-        from model_support.core.megatron.imports import import_bridge
+        from model_support.core.megatron.builder import MegatronBuildError, family_bridge
 
-        import_bridge()
-        from megatron.bridge import AutoBridge
+        model_bridge, tcfg = family_bridge(config)
     except ImportError as exc:
         missing = f"megatron-bridge is not installed ({exc}); pip install 'model-support[megatron]'"
         raise BridgeTargetsError(missing) from None
-    tcfg = copy.deepcopy(text_config(config))
-    tcfg.architectures = [text_architecture(config)]
-    try:
-        model_bridge = AutoBridge.from_hf_config(tcfg)._model_bridge
-    except ValueError:
-        raise BridgeTargetsError(f"megatron-bridge has no bridge for {tcfg.architectures[0]}") from None
+    except MegatronBuildError as exc:
+        raise BridgeTargetsError(str(exc)) from None
     model_bridge.hf_pretrained = SimpleNamespace(config=tcfg, generation_config=None)
     found: dict[tuple[TargetScope, str], list[str]] = {}
     for mapping in model_bridge.mapping_registry().mappings:

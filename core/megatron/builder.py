@@ -193,6 +193,20 @@ def text_architecture(config: Any) -> str:
     return arch.replace("ForConditionalGeneration", "ForCausalLM")
 
 
+def family_bridge(config: Any) -> tuple[Any, Any]:
+    """(megatron-bridge's bridge of the family, the text config it reads) for a transformers config (the text model
+    of a multimodal one)."""
+    import_bridge()
+    from megatron.bridge import AutoBridge
+
+    tcfg = copy.deepcopy(text_config(config))
+    tcfg.architectures = [text_architecture(config)]
+    try:
+        return AutoBridge.from_hf_config(tcfg)._model_bridge, tcfg
+    except ValueError as exc:
+        raise MegatronBuildError(f"megatron-bridge has no bridge for {tcfg.architectures[0]}: {exc}") from None
+
+
 def load_layer_spec(path: str) -> Callable[..., Any]:
     """The function a handler's ``megatron_layer_spec`` ("package.module:function") names."""
     module, _, name = path.partition(":")
@@ -264,16 +278,10 @@ def build_megatron_model(
     parallel = parallel or ParallelLayout()
     init_parallel(parallel)
     numerics = numerics or choose_numerics()
-    from megatron.bridge import AutoBridge
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    tcfg = copy.deepcopy(text_config(config))
-    tcfg.architectures = [text_architecture(config)]
-    try:
-        model_bridge = AutoBridge.from_hf_config(tcfg)._model_bridge
-    except ValueError as exc:
-        raise MegatronBuildError(f"megatron-bridge has no bridge for {tcfg.architectures[0]}: {exc}") from exc
+    model_bridge, tcfg = family_bridge(config)
     checkpoint = TextCheckpoint(Path(model_dir), tcfg)
     shim = SimpleNamespace(config=tcfg, state=checkpoint, generation_config=None)
     model_bridge.hf_pretrained = shim
