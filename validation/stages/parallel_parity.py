@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -25,10 +25,10 @@ def default_layouts(moe: bool) -> tuple[str, ...]:
     return MOE_LAYOUTS if moe else DENSE_LAYOUTS
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _error_line(out: Path, layout: str) -> str:
+    """The worker's one-line error for ``layout`` ("" when it wrote none)."""
+    path = out / f"{layout}.error"
+    return path.read_text().splitlines()[0] if path.exists() else ""
 
 
 class ParallelParityStage(Stage):
@@ -63,7 +63,8 @@ class ParallelParityStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
         from safetensors.torch import load_file
 
-        from model_support.core.megatron.dist import ParallelLayout
+        from model_support.core.parallel import ParallelLayout
+        from model_support.core.serving.vllm_backend import free_port
         from model_support.validation.parallel_worker import LR
 
         details: list[str] = []
@@ -80,7 +81,7 @@ class ParallelParityStage(Stage):
         out = ctx.workdir / "parallel-parity"
         log = ctx.workdir / "parallel-parity.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}"]
-        cmd += [f"--master_port={_free_port()}", "-m", "model_support.validation.parallel_worker"]
+        cmd += [f"--master_port={free_port()}", "-m", "model_support.validation.parallel_worker"]
         cmd += [str(out), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         gpus = torch.cuda.device_count()
@@ -90,7 +91,7 @@ class ParallelParityStage(Stage):
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=self.timeout_s)
         oracle_file = out / "single.safetensors"
         if not oracle_file.exists():
-            error = (out / "single.error").read_text().splitlines()[0] if (out / "single.error").exists() else ""
+            error = _error_line(out, "single")
             return self.failed(
                 f"the single-rank oracle did not run (exit {proc.returncode}{': ' + error if error else ''}); see {log}"
             )
@@ -105,7 +106,7 @@ class ParallelParityStage(Stage):
         for name in layouts:
             result = out / f"{name}.safetensors"
             if not result.exists():
-                error = (out / f"{name}.error").read_text().splitlines()[0] if (out / f"{name}.error").exists() else ""
+                error = _error_line(out, name)
                 details.append(f"{name}: did not run ({error or f'exit {proc.returncode}'})")
                 failed += 1
                 continue
