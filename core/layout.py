@@ -97,9 +97,10 @@ class ConfigFields:
     layer_lists: tuple[str, ...] = ()
     layer_counts: tuple[str, ...] = ()
 
-    def expert_field(self, text: Mapping[str, Any]) -> str | None:
-        """The field of a config.json text section holding a nonzero expert count (None: dense)."""
-        return next((name for name in self.experts if text.get(name)), None)
+    def expert_field(self, value: Callable[[str], Any]) -> str | None:
+        """The field holding a nonzero expert count (None: dense); ``value`` reads a field of the config (``dict.get``
+        of a config.json section, or an attribute of a transformers config)."""
+        return next((name for name in self.experts if value(name)), None)
 
 
 def _required(cfg: Any, name: str, why: str) -> Any:
@@ -129,7 +130,7 @@ def derive_layout(config: Any, fields: ConfigFields | None = None) -> ModelLayou
     layer_types = tuple(fields.layer_kinds[t] for t in raw_types)
 
     moe = None
-    expert_field = next((name for name in fields.experts if getattr(cfg, name, None)), None)
+    expert_field = fields.expert_field(lambda name: getattr(cfg, name, None))
     if expert_field:
         num_experts = int(getattr(cfg, expert_field))
         why = f"an MoE config ({num_experts} experts in {expert_field}) needs"

@@ -102,7 +102,7 @@ def replica_config(
         )
     fields = fields or ConfigFields()
     if experts is not None:
-        if fields.expert_field(text) is None:
+        if fields.expert_field(text.get) is None:
             raise ReplicaError(
                 f"--experts applies to MoE configs only; {arch} is dense (no {' / '.join(fields.experts)})"
             )
@@ -205,7 +205,7 @@ def build_replica(
         parameters = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
     text = text_section(cfg)
-    key = fields.expert_field(text)
+    key = fields.expert_field(text.get)
     return ReplicaInfo(
         out_dir=out_dir,
         architecture=cfg["architectures"][0],

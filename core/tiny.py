@@ -128,7 +128,7 @@ def copy_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 def set_experts(text: dict[str, Any], experts: int, top_k: int, fields: ConfigFields) -> None:
     """Give a MoE text config ``experts`` experts, ``top_k`` of them routed per token."""
-    key = fields.expert_field(text)
+    key = fields.expert_field(text.get)
     if key is None:
         raise ConfigError(f"the config has no experts ({' / '.join(fields.experts)}) to set")
     text[key] = experts
@@ -202,7 +202,7 @@ def _shrink_text(text: dict[str, Any], vocab_size: int, n_layers: int, fields: C
         text["num_key_value_heads"] = heads if mha else heads // 2
     if "linear_num_value_heads" in text:
         text["linear_num_value_heads"] = _TEXT_DIMS["linear_num_key_heads"] * gdn_ratio
-    if fields.expert_field(text):
+    if fields.expert_field(text.get):
         set_experts(text, TINY_EXPERTS, TINY_TOP_K, fields)
     set_depth(text, n_layers, fields)
     rope = text.get("rope_parameters") or text.get("rope_scaling")

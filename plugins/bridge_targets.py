@@ -44,15 +44,6 @@ class BridgeTargets:
     targets: tuple[LoraTarget, ...]
     unmapped: tuple[str, ...]
 
-    @property
-    def declared(self) -> tuple[LoraTarget, ...]:
-        """The targets as the generated declaration lists them (standard tuples in their own order)."""
-        out: list[LoraTarget] = []
-        for scope in _SCOPE_ORDER:
-            group = tuple(t for t in self.targets if t.scope is scope)
-            out += next((list(t) for t in _STANDARD.values() if set(t) == set(group) and group), group)
-        return tuple(out)
-
     def expression(self) -> str:
         """The ``lora_targets=`` expression: standard tuples by name, the rest as explicit ``LoraTarget`` entries."""
         parts = []
