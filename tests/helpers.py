@@ -34,6 +34,21 @@ def pip_install_target(package_dir: Path, target: Path) -> Path:
     return target
 
 
+def run_plugin_tests(source: Path, site: Path) -> subprocess.CompletedProcess:
+    """Run a plugin's own test suite (its ``architecture`` stage test and prerequisites) against ``site``."""
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
+        cwd=source, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
+    )  # fmt: skip
+
+
+def within_thresholds(verdict: dict) -> bool:
+    """Every metric a stage's JSON verdict holds to a threshold is within it."""
+    return all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
+
+
 def run_cli(*args: str, site: Path | None = None, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Run ``model-support`` in a subprocess (fresh plugin discovery); returns CompletedProcess."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200", **(env or {})}

@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_plugin_tests, within_thresholds
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +29,6 @@ NO_MLA_LORA = "merged-only: vLLM applies no LoRA to MLA's kv_b_proj"
 def installed(install_copy) -> tuple[Path, Path]:
     """(a copy of the plugin's source tree, the directory pip installed it into)."""
     return install_copy(PLUGIN)
-
-
-def _within_thresholds(verdict: dict) -> bool:
-    return all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
 
 
 def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path], tmp_path: Path):
@@ -62,7 +55,7 @@ def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path]
         verdict = results[stage]
         if verdict["status"] == "skip" and "is not installed" in verdict["summary"]:
             continue  # no megatron extra here
-        assert verdict["status"] == "pass" and _within_thresholds(verdict), verdict
+        assert verdict["status"] == "pass" and within_thresholds(verdict), verdict
     if results["hf_parity"]["status"] == "pass":
         parity = results["hf_parity"]["metrics"]
         # One MoE layer after the dense one, its routing agreed token for token; MTP not built (runtime policy).
@@ -83,11 +76,11 @@ def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path]
     native = results["native_vllm_lora"]
     assert native["status"] == "skip" and native["summary"].startswith(NO_MLA_LORA), native
     merged = results["merged_serving"]
-    assert merged["status"] == "pass" and _within_thresholds(merged), merged
+    assert merged["status"] == "pass" and within_thresholds(merged), merged
     assert merged["metrics"]["serving_dtype"] == "bfloat16"
     assert results["chat_template_rollout"]["status"] == "pass", results["chat_template_rollout"]
     mismatch = results["train_inference_mismatch"]
-    assert mismatch["status"] == "pass" and _within_thresholds(mismatch), mismatch
+    assert mismatch["status"] == "pass" and within_thresholds(mismatch), mismatch
     rl = results["rl_trainability"]
     if load_runtime().flavor == "cpu":
         assert rl["status"] == "skip" and rl["summary"].endswith(
@@ -116,12 +109,6 @@ def test_declaring_standard_attention_targets_fails_architecture(tmp_path: Path,
 
 
 def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    source, site = installed
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
-        cwd=source, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
-    )  # fmt: skip
+    result = run_plugin_tests(*installed)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout  # two tests + the stage test for architecture and its prerequisite

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_plugin_tests, within_thresholds
 
 LLAMA_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-llama"
 
@@ -66,15 +63,10 @@ def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Pa
             verdict["status"] == "skip" and "is not installed" in verdict["summary"]
         ), verdict
         if verdict["status"] == "pass":
-            assert all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
+            assert within_thresholds(verdict)
 
 
 def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    source, site = installed
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
-        cwd=source, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(site)},
-    )  # fmt: skip
+    result = run_plugin_tests(*installed)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_plugin_tests
 from tests.megatron.conftest import require_megatron
 
 pytestmark = pytest.mark.slow
@@ -74,13 +71,7 @@ def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Pa
 
 
 def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    source, site = installed
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
-        cwd=source, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
-    )  # fmt: skip
+    result = run_plugin_tests(*installed)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout
 

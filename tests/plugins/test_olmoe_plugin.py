@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_plugin_tests, within_thresholds
 
 pytestmark = pytest.mark.slow
 OLMOE_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
@@ -22,10 +19,6 @@ SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout",
 def installed(install_copy) -> tuple[Path, Path]:
     """(a copy of the plugin's source tree, the directory pip installed it into)."""
     return install_copy(OLMOE_PLUGIN)
-
-
-def _within_thresholds(verdict: dict) -> bool:
-    return all(float(verdict["metrics"][k]) <= limit for k, limit in verdict["thresholds"].items())
 
 
 def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
@@ -42,7 +35,7 @@ def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
     results = {r["stage"]: r for r in report["results"]}
     for stage in ("dependencies", "architecture", "weights", *MEGATRON_STAGES):
         assert results[stage]["status"] == "pass", results[stage]
-        assert _within_thresholds(results[stage]), results[stage]
+        assert within_thresholds(results[stage]), results[stage]
     assert results["architecture"]["metrics"] == {
         "layers": 2, "gdn_layers": 0, "attention_layers": 2, "experts": 4, "lora_targets": 7,
     }  # fmt: skip
@@ -69,18 +62,12 @@ def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
     )
     for stage in ("merged_serving", "chat_template_rollout", "train_inference_mismatch"):
         assert results[stage]["status"] == "pass", results[stage]
-        assert _within_thresholds(results[stage]), results[stage]
+        assert within_thresholds(results[stage]), results[stage]
     assert results["merged_serving"]["metrics"]["serving_dtype"] == "float32"
     assert results["merged_serving"]["metrics"]["prompt_logprob_max_abs_err"] < 1e-4
 
 
 def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    source, site = installed
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--model-support-stage", "architecture"],
-        cwd=source, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
-    )  # fmt: skip
+    result = run_plugin_tests(*installed)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "7 passed" in result.stdout
