@@ -8,7 +8,8 @@ them, so what ``model-support check`` proves is what a trainer runs. A training 
     handler = api.resolve("Qwen/Qwen3-30B-A3B")              # a model dir, config.json or cached hub id
     model = api.build_model("/ckpt/qwen3-30b-a3b", handler=handler, parallel=api.ParallelLayout(tensor_parallel=2))
     api.apply_lora(model, rank=16, alpha=32)                 # the handler's declared targets, base frozen
-    ...                                                      # forward / backward on model.module as usual
+    out = api.forward_backward(model, tokens, loss_fn)       # megatron-core's schedule for the layout
+    api.reduce_lora_grads(model)                             # (a trainer's DDP / finalize_model_grads instead)
     server.update_weights(api.merged_weights(model))         # HF-named buckets, base + LoRA, into a live server
     api.export_adapter(model, "/out/adapter")                # a PEFT adapter, through the handler's codec
 
@@ -19,7 +20,7 @@ them down) and sets up a world of one otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from model_support.core.megatron.builder import MegatronModel
+    from model_support.core.megatron.forward import MicroBatch, StepOutput
     from model_support.core.megatron.lora import LoraReport
     from model_support.core.serving.backend import Server
 
@@ -48,9 +50,11 @@ __all__ = [
     "apply_lora",
     "build_model",
     "export_adapter",
+    "forward_backward",
     "load_adapter",
     "merged_weights",
     "push_weights",
+    "reduce_lora_grads",
     "resolve",
     "save_merged",
     "serve",
@@ -62,7 +66,8 @@ __all__ = [
 class TrainingModel:
     """A handler's megatron-core model as a trainer runs it, with what converting it to and from HF needs.
 
-    ``module`` is the megatron-core model to train (LoRA wrapped in place by :func:`apply_lora`).
+    ``chunks`` are this rank's megatron-core model chunks to train (LoRA wrapped in place by :func:`apply_lora`):
+    one, or one per virtual pipeline stage; ``module`` is the one chunk of a layout without virtual stages.
     """
 
     handler: RegisteredHandler
@@ -75,6 +80,10 @@ class TrainingModel:
     @property
     def module(self) -> torch.nn.Module:
         return self.built.model
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        return self.built.chunks
 
     @property
     def spec(self):  # -> HandlerSpec
@@ -147,7 +156,7 @@ def apply_lora(model: TrainingModel, *, rank: int = 8, alpha: float = 16.0) -> L
 
     if model.lora is not None:
         raise LoraError("LoRA is already applied to this model")
-    model.lora = wrap(model.module, model.spec, rank=rank, alpha=alpha)
+    model.lora = wrap(model.chunks, model.spec, rank=rank, alpha=alpha)
     return model.lora
 
 
@@ -162,7 +171,8 @@ def _require_lora(model: TrainingModel) -> LoraReport:
 def export_adapter(model: TrainingModel, out_dir: str | Path) -> Path:
     """Write the model's LoRA as a PEFT adapter (HF module names) through the handler's codec.
 
-    Every tensor-parallel rank takes part in gathering the LoRA; rank 0 writes. Returns ``out_dir``.
+    Every rank takes part in gathering the LoRA (tensor-parallel shards, expert-parallel experts, pipeline stages);
+    rank 0 writes. Returns ``out_dir``.
     """
     import torch.distributed as dist
 
@@ -171,7 +181,7 @@ def export_adapter(model: TrainingModel, out_dir: str | Path) -> Path:
 
     lora = _require_lora(model)
     first = next(iter(lora.wrapped.values()))
-    peft = model.spec.codec.to_peft(lora_state(model.module), model.config, model.layout)
+    peft = model.spec.codec.to_peft(lora_state(model.chunks), model.config, model.layout)
     out = Path(out_dir)
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_peft_adapter(out, peft, rank=first.rank, alpha=first.alpha, base_model=str(model.model_dir))
@@ -187,7 +197,7 @@ def load_adapter(model: TrainingModel, adapter_dir: str | Path) -> None:
 
     _require_lora(model)
     _, tensors = load_peft_adapter(Path(adapter_dir))
-    load_lora_state(model.module, model.spec.codec.from_peft(tensors, model.config, model.layout))
+    load_lora_state(model.chunks, model.spec.codec.from_peft(tensors, model.config, model.layout))
 
 
 def merged_weights(
@@ -248,6 +258,43 @@ def serve(
 def push_weights(server: Server, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """Push the model's merged weights into ``server`` in place; returns the new served name (``model@N``)."""
     return server.update_weights(merged_weights(model, bucket_bytes=bucket_bytes))
+
+
+def forward_backward(
+    model: TrainingModel,
+    input_ids: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, MicroBatch], torch.Tensor],
+    *,
+    position_ids: torch.Tensor | None = None,
+    micro_batches: int = 1,
+    forward_only: bool = False,
+    keep_logits: bool = False,
+) -> StepOutput:
+    """One forward and backward of ``input_ids`` [B, S] in any layout, through megatron-core's schedule (1F1B,
+    interleaved over virtual stages); ``loss_fn(logits, micro_batch)`` turns a micro-batch's [b, S, V] fp32 logits
+    into its mean loss. Every rank calls it and gets the mean loss (and the logits with ``keep_logits``).
+    See :func:`model_support.core.megatron.forward.forward_backward`."""
+    from model_support.core.megatron.forward import forward_backward as run
+
+    return run(
+        model.chunks,
+        input_ids,
+        loss_fn,
+        position_ids=position_ids,
+        micro_batches=micro_batches,
+        forward_only=forward_only,
+        keep_logits=keep_logits,
+    )
+
+
+def reduce_lora_grads(model: TrainingModel) -> None:
+    """Make every rank's LoRA gradients the whole batch's, as megatron-core's DistributedDataParallel and
+    ``finalize_model_grads`` would: sequence-parallel factors summed over tensor-parallel ranks, then summed over
+    context-parallel ranks and averaged over data-parallel replicas (expert factors over the expert data-parallel
+    group, whose tokens the dispatcher already gathered across expert-parallel ranks)."""
+    from model_support.core.megatron.lora import reduce_lora_grads as reduce
+
+    reduce(model.chunks)
 
 
 def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:

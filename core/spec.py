@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from model_support.core.layout import ConfigFields, ModelLayout, derive_layout, text_config
-from model_support.core.parallel import ParallelLayout
+from model_support.core.parallel import DIMENSIONS, ParallelLayout
 
 if TYPE_CHECKING:
     import torch
@@ -100,12 +100,8 @@ class RuntimePolicy:
 
     def refused(self, layout: ParallelLayout) -> str | None:
         """Why this family cannot train in ``layout`` (None: it can)."""
-        used = {
-            "tensor_parallel": layout.tensor_parallel > 1,
-            "sequence_parallel": layout.sequence_parallel,
-            "expert_parallel": layout.expert_parallel > 1,
-        }
-        reasons = [f"{dim.replace('_', ' ')}: {why}" for dim, why in self.parallel_limits.items() if used.get(dim)]
+        used = layout.used()
+        reasons = [f"{dim.replace('_', ' ')}: {why}" for dim, why in self.parallel_limits.items() if dim in used]
         return "; ".join(reasons) or None
 
 
@@ -174,9 +170,10 @@ class HandlerSpec:
     # Text-config fields the tiny replica sets after the generic shrink (sizes a kernel needs, family fields the
     # generic shrink does not know): {field: value}.
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
-    # "package.module:function" returning the megatron-core layer spec (a ModuleSpec, or the
-    # TransformerBlockSubmodules of every layer) for the provider's config, where the family needs modules of its
-    # own; imported only when a Megatron model is built. None: model-support's local spec.
+    # "package.module:function" returning the megatron-core layer spec (a ModuleSpec, or, given the provider's config
+    # and vp_stage, the TransformerBlockSubmodules of this pipeline stage's layers: core.megatron.spec.stage_layers
+    # cuts a per-layer list) where the family needs modules of its own; imported only when a Megatron model is built.
+    # None: model-support's local spec.
     megatron_layer_spec: str | None = None
     # What one checkpoint's config may ask that the handler cannot build as declared (a value the bridge ignores, a
     # pattern it hardcodes): ConfigRequirement entries, or functions of the text config returning why (None: fine).
@@ -260,11 +257,9 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
     if tolerances and not spec.runtime.tolerance_reason.strip():
         problems.append("tolerances need a tolerance_reason")
     limits = spec.runtime.parallel_limits
-    unknown = sorted(set(limits) - {"tensor_parallel", "sequence_parallel", "expert_parallel"})
+    unknown = sorted(set(limits) - set(DIMENSIONS))
     if unknown or not all(str(why).strip() for why in limits.values()):
-        problems.append(
-            f"parallel_limits map tensor_parallel / sequence_parallel / expert_parallel to a reason, got {dict(limits)}"
-        )
+        problems.append(f"parallel_limits map one of {', '.join(DIMENSIONS)} to a reason, got {dict(limits)}")
     for requirement in spec.config_requirements:
         declared = isinstance(requirement, ConfigRequirement) and requirement.allowed and requirement.reason.strip()
         if not (declared or (callable(requirement) and not isinstance(requirement, ConfigRequirement))):

@@ -53,8 +53,9 @@ FIELD_DOCS = {
     "(`model_support.core.layout`): where the family's "
     "config keeps its layout numbers; transformers' common names by default, a function where no one field says it.",
     "megatron_layer_spec": '`"package.module:function"` returning the megatron-core layer spec (a `ModuleSpec`, or '
-    "the `TransformerBlockSubmodules` of every layer) for the provider's config, where the family needs modules of "
-    "its own; imported only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
+    "the `TransformerBlockSubmodules` of this pipeline stage's layers for the provider's config and `vp_stage`: "
+    "`core.megatron.spec.stage_layers` cuts a per-layer list), where the family needs modules of its own; imported "
+    "only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
     "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
     "needs (e.g. vLLM's CPU GDN head size), family fields the generic shrink does not know.",
     "config_requirements": "`ConfigRequirement(field, allowed, reason)` entries, or functions of a checkpoint's "
@@ -267,7 +268,8 @@ def _selftest_section() -> list[str]:
         inspect.getdoc(selftest) or "",
         "",
         "`model-support selftest [--mutation NAME] [--markdown FILE]` runs them; the tests run the whole",
-        "catalogue (`tests/test_selftest.py`).",
+        "catalogue (`tests/test_selftest.py`). The outcomes of the last full run, with what each failing stage",
+        "reported: [selftest-results.md](selftest-results.md).",
         "",
     ]
     rows = [

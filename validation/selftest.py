@@ -247,11 +247,28 @@ def _sequence_parallel_grads_unsynced() -> AbstractContextManager[Any]:
     return mock.patch.object(lora, "sync_sequence_parallel_grads", lambda model: None)
 
 
-def _experts_not_gathered() -> AbstractContextManager[Any]:
-    """lora_state keeps this expert-parallel rank's experts only: the export drops the other ranks' shards."""
+def _part_not_gathered(kind: str) -> AbstractContextManager[Any]:
+    """The LoRA state keeps this rank's part of the model: the ``kind`` ("expert" or "pipeline") parallel group is
+    left out of the gathers, so the exported adapter lacks the other ranks' experts or layers."""
+    from megatron.core import parallel_state
+
     from model_support.core.megatron import lora
 
-    return mock.patch.object(lora, "_expert_group", lambda: None)
+    spread = lora._spread_over
+    groups = {
+        "expert": parallel_state.get_expert_model_parallel_group,
+        "pipeline": parallel_state.get_pipeline_model_parallel_group,
+    }
+    return mock.patch.object(
+        lora, "_spread_over", lambda: [(g, split) for g, split in spread() if g is not groups[kind]()]
+    )
+
+
+def _context_keys_local() -> AbstractContextManager[Any]:
+    """Context-parallel attention attends to its own rank's keys and values only."""
+    from model_support.core.megatron import context_parallel
+
+    return mock.patch.object(context_parallel, "gather_keys", lambda local, cp_group: local)
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -286,7 +303,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("sp-lora-grads-unsynced", "sequence-parallel LoRA factors keep one sequence shard's gradient", "qwen3",
              "parallel_parity", _sequence_parallel_grads_unsynced),
     Mutation("expert-shard-dropped", "the LoRA state keeps one expert-parallel rank's experts", "qwen3-moe",
-             "parallel_parity", _experts_not_gathered),
+             "parallel_parity", lambda: _part_not_gathered("expert")),
+    Mutation("pipeline-stage-dropped", "the LoRA state (and its export) keeps one pipeline stage's layers", "qwen3",
+             "parallel_parity", lambda: _part_not_gathered("pipeline")),
+    Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",
+             "parallel_parity", _context_keys_local),
 )  # fmt: skip
 
 # Set while a mutation runs, so that the stages' worker processes (parallel_parity's torchrun job) inject it too.

@@ -87,18 +87,28 @@ def mapping_registry(model_bridge: Any) -> Any:
 
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
 
 
-def global_expert_name(local_name: str, num_experts: int | None) -> str:
-    """A parameter name with this rank's local expert index replaced by the global one (expert parallelism)."""
+def global_name(chunk: torch.nn.Module, local_name: str) -> str:
+    """A parameter name of one model chunk as the whole single-rank model names it: the layer index of this pipeline
+    stage replaced by the global one, the local expert index by the global one (expert parallelism).
+
+    (megatron-bridge does the same in a private helper, ``_megatron_local_name_to_global``.)
+    """
     from megatron.core import parallel_state
 
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        layers = chunk.decoder.layers
+        # megatron-core numbers a stage's layers globally (from 1) in ``layer_number``.
+        local_name = _LAYER.sub(lambda m: f"{m[1]}{layers[int(m[2])].layer_number - 1}{m[3]}", local_name)
     ep = parallel_state.get_expert_model_parallel_world_size()
-    if ep == 1 or not num_experts:
+    experts = getattr(getattr(chunk, "config", None), "num_moe_experts", None)
+    if ep == 1 or not experts:
         return local_name
     # Megatron gives each expert-parallel rank a contiguous block of num_experts / ep experts.
-    offset = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep)
-    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", local_name)
+    offset = parallel_state.get_expert_model_parallel_rank() * (experts // ep)
+    return _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + offset}{m[3]}", local_name)
 
 
 def mapping_name(local_name: str, has_mapping: Any) -> str:
@@ -173,9 +183,12 @@ def choose_numerics(
 
 @dataclass
 class MegatronModel:
-    """A built megatron-core model with what is needed to convert to and from HF."""
+    """A built megatron-core model with what is needed to convert to and from HF.
 
-    model: torch.nn.Module
+    ``chunks`` are this rank's model chunks: one, or one per virtual pipeline stage (in order).
+    """
+
+    chunks: list[torch.nn.Module]
     provider: Any
     bridge: Any  # the family's MegatronModelBridge
     checkpoint: TextCheckpoint
@@ -186,6 +199,21 @@ class MegatronModel:
     @property
     def tensor_parallel(self) -> int:
         return self.parallel.tensor_parallel
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's model, in every layout without virtual pipeline stages (those have several :attr:`chunks`)."""
+        if len(self.chunks) != 1:
+            raise MegatronBuildError(
+                f"the model has {len(self.chunks)} chunks on this rank (layout {self.parallel.name}): use .chunks"
+            )
+        return self.chunks[0]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under the single-rank model's names (see :func:`global_name`)."""
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                yield global_name(chunk, name), param
 
 
 def text_architecture(config: Any) -> str:
@@ -234,6 +262,11 @@ def _configure(
     provider.fp16 = False
     provider.tensor_model_parallel_size = parallel.tensor_parallel
     provider.sequence_parallel = parallel.sequence_parallel
+    provider.pipeline_model_parallel_size = parallel.pipeline_parallel
+    provider.virtual_pipeline_model_parallel_size = parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None
+    provider.context_parallel_size = parallel.context_parallel
+    provider.pipeline_dtype = numerics.dtype
+    provider.batch_p2p_sync = numerics.device.type == "cuda"  # a CUDA synchronize after pipeline sends
     provider.expert_model_parallel_size = parallel.expert_parallel
     provider.expert_tensor_parallel_size = 1  # experts whole on each rank (LoRA on expert-TP shards is refused)
     if not mtp:  # the bridge sets it from the config (top level or text_config, either field name)
@@ -294,14 +327,17 @@ def build_megatron_model(
     torch.manual_seed(0)
     # One RouterReplay per router of the model being built (the class keeps a process-wide list).
     RouterReplay.clear_global_router_replay_instances()
+    stages = [None] if parallel.virtual_pipeline == 1 else list(range(parallel.virtual_pipeline))
+    chunks = []
     with _te_attention_env_kept():
-        if numerics.device.type == "cuda":
-            model = provider.provide().to(numerics.device)
-        else:
-            with _cpu_as_current_device():
-                model = provider.provide().to(numerics.device)
-            _keep_on_cpu(model)
-    built = MegatronModel(model, provider, model_bridge, checkpoint, parallel, numerics)
+        for vp_stage in stages:
+            if numerics.device.type == "cuda":
+                chunks.append(provider.provide(vp_stage=vp_stage).to(numerics.device))
+            else:
+                with _cpu_as_current_device():
+                    chunks.append(provider.provide(vp_stage=vp_stage).to(numerics.device))
+                _keep_on_cpu(chunks[-1])
+    built = MegatronModel(chunks, provider, model_bridge, checkpoint, parallel, numerics)
     _load_weights(built)
     return built
 
@@ -330,18 +366,32 @@ def _te_attention_env_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cpu_as_current_device() -> Iterator[None]:
-    """Let ``torch.cuda.current_device()`` name the CPU while megatron-core code runs without a GPU.
+    """Let megatron-core code that assumes a GPU run on the CPU: ``torch.cuda.current_device()`` names the CPU,
+    ``Tensor.cuda()`` keeps a tensor where it is, ``torch.zeros(..., device="cuda")`` allocates on the CPU.
 
     megatron-core places some tensors on the current CUDA device whatever the model's device: TopKRouter's
     expert-bias buffers at construction, RotaryEmbedding / YarnRotaryEmbedding's inverse frequencies and
-    TopKRouter's weight in their forward.
+    TopKRouter's weight in their forward, pipeline communication buffers; its schedules count tokens in
+    ``torch.zeros(device="cuda")`` tensors, and a tied embedding's pipeline copy is synced with ``.cuda()``.
     """
-    real = torch.cuda.current_device
+    real_device, real_cuda, real_zeros = torch.cuda.current_device, torch.Tensor.cuda, torch.zeros
+
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return real_zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.zeros = zeros
     try:
         yield
     finally:
-        torch.cuda.current_device = real
+        torch.cuda.current_device, torch.Tensor.cuda, torch.zeros = real_device, real_cuda, real_zeros
+
+
+def on_cpu_device(where: torch.device) -> contextlib.AbstractContextManager[None]:
+    """:func:`_cpu_as_current_device` for a model on the CPU (megatron-core's schedules and pipeline
+    communication allocate on the current CUDA device), nothing for one on a GPU."""
+    return _cpu_as_current_device() if where.type == "cpu" else contextlib.nullcontext()
 
 
 def _on_cpu(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -365,7 +415,8 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
         elif isinstance(module, TopKRouter):
             module.gating = _on_cpu(module.gating)
     config = getattr(model, "config", None)
-    parallel = config is not None and (config.tensor_model_parallel_size > 1 or config.expert_model_parallel_size > 1)
+    parallel = config is not None and config.tensor_model_parallel_size * config.expert_model_parallel_size > 1
+    parallel |= config is not None and config.pipeline_model_parallel_size * config.context_parallel_size > 1
     if parallel and not torch.cuda.is_available():
         _collectives_on_cpu()
 
@@ -389,6 +440,14 @@ def _collectives_on_cpu() -> None:
             setattr(mappings, name, wrapped)
     # The sequence-parallel embedding forks the model-parallel CUDA RNG around its dropout; the CPU's RNG stands in.
     get_cuda_rng_tracker().fork = lambda *_args, **_kwargs: torch.random.fork_rng(devices=[])
+    # The rotary embedding selects this context-parallel rank's positions with an index tensor in pinned memory
+    # moved to the GPU; the same selection, on the CPU.
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    from model_support.core.megatron.context_parallel import local_part
+
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = lambda emb, dim, group: local_part(emb, dim, group.rank(), group.size())
 
 
 def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
@@ -405,6 +464,18 @@ def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
     target = mapping._mapping if isinstance(mapping, AutoMapping) else mapping
     if isinstance(target, ReplicatedMapping):
         target.hf_to_megatron = lambda weights, _module: weights
+
+
+def _mapped_tensors(
+    chunks: list[torch.nn.Module], lookup: Callable[[str], Any]
+) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(chunk, local name, tensor) for every parameter, and every persistent buffer the bridge maps."""
+    for chunk in chunks:
+        persistent = chunk.state_dict(keep_vars=True).keys()
+        yield from ((chunk, name, param) for name, param in chunk.named_parameters())
+        for name, buffer in chunk.named_buffers():
+            if name in persistent and lookup(mapping_name(global_name(chunk, name), lookup)) is not None:
+                yield chunk, name, buffer
 
 
 def _load_weights(built: MegatronModel) -> None:
@@ -425,15 +496,15 @@ def _load_weights(built: MegatronModel) -> None:
     def lookup(name: str) -> Any:
         return registry.megatron_to_hf_lookup(name)
 
-    persistent = built.model.state_dict(keep_vars=True).keys()
-    buffers = [
-        (name, buffer)
-        for name, buffer in built.model.named_buffers()
-        if name in persistent and lookup(mapping_name(name, lookup)) is not None
-    ]
     missing: list[str] = []
-    for name, param in [*built.model.named_parameters(), *buffers]:
-        mapping = lookup(mapping_name(global_expert_name(name, built.provider.num_moe_experts), lookup))
+    tied = bool(built.provider.share_embeddings_and_output_weights)
+    for chunk, name, param in _mapped_tensors(built.chunks, lookup):
+        source = global_name(chunk, name)
+        if tied and source == "output_layer.weight":
+            # The last pipeline stage's copy of a tied embedding: megatron-core syncs it from the first stage only
+            # at construction, before any weight is loaded, so it is read from the embedding's tensor.
+            source = "embedding.word_embeddings.weight"
+        mapping = lookup(mapping_name(source, lookup))
         if mapping is None:
             missing.append(name)
             continue
@@ -444,7 +515,7 @@ def _load_weights(built: MegatronModel) -> None:
             continue
         # The bridge's own read (dequantises an fp8 checkpoint where its family needs that).
         hf_weights = built.bridge.maybe_modify_loaded_hf_weight(mapping.hf_param, built.checkpoint)
-        module, _ = get_module_and_param_from_name([built.model], name)
+        module, _ = get_module_and_param_from_name([chunk], name)
         if not hasattr(module, "config"):
             module.config = built.provider
         if built.tensor_parallel > 1 and built.numerics.device.type != "cuda":
@@ -466,6 +537,6 @@ def _load_weights(built: MegatronModel) -> None:
             raise MegatronBuildError(f"{name}: bridge produced {tuple(value.shape)}, model has {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
-        built.mapped[name] = ", ".join(hf_names)
+        built.mapped[global_name(chunk, name)] = ", ".join(hf_names)
     if missing:
         raise MegatronBuildError(f"{len(missing)} Megatron parameter(s) have no bridge mapping: {missing[:4]}")

@@ -150,20 +150,37 @@ class LocalGatedDeltaNet(MegatronModule):
         self.cu_seqlens: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, **kwargs: Any):
+        from megatron.core.ssm.gated_delta_net import get_parameter_local_cp, tensor_a2a_cp2hp, tensor_a2a_hp2cp
+
+        from model_support.core.megatron import context_parallel
+
         mixed, _ = self.in_proj(hidden_states)  # [S, B, D]
+        sections, conv, a_log, dt_bias = self.sections, self.conv1d.weight, self.A_log, self.dt_bias
+        cp_group = context_parallel.group()
+        if cp_group is not None:
+            # Context parallel as megatron-core's GatedDeltaNet does it: all-to-all from sequence chunks to the
+            # whole sequence for 1 / cp of the heads, and back after the output norm.
+            if self.cu_seqlens is not None:
+                raise ValueError("a packed row under context parallelism needs THD attention")
+            mixed = tensor_a2a_cp2hp(mixed, seq_dim=0, head_dim=-1, cp_group=cp_group, split_sections=sections)
+            conv = get_parameter_local_cp(conv, 0, cp_group, split_sections=sections[:3])
+            a_log, dt_bias = (get_parameter_local_cp(p, 0, cp_group) for p in (a_log, dt_bias))
+            sections = [size // cp_group.size() for size in sections]
         mixed = mixed.transpose(0, 1)
         batch, seq, _ = mixed.shape
-        q, k, v, z, b, a = torch.split(mixed, self.sections, dim=-1)
-        qkv = causal_conv(torch.cat([q, k, v], dim=-1), self.conv1d.weight, self.cu_seqlens)
-        q, k, v = torch.split(qkv, self.sections[:3], dim=-1)
+        q, k, v, z, b, a = torch.split(mixed, sections, dim=-1)
+        qkv = causal_conv(torch.cat([q, k, v], dim=-1), conv, self.cu_seqlens)
+        q, k, v = torch.split(qkv, sections[:3], dim=-1)
         q = q.reshape(batch, seq, -1, self.k_dim)
         k = k.reshape(batch, seq, -1, self.k_dim)
         v = v.reshape(batch, seq, -1, self.v_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
         core = gated_delta_rule(q, k, v, g, b.sigmoid(), self.cu_seqlens)
         normed = self.out_norm(core.reshape(-1, self.v_dim).float())
         gated = normed * F.silu(z.reshape(-1, self.v_dim).float())
         gated = gated.to(hidden_states.dtype).reshape(batch, seq, -1).transpose(0, 1).contiguous()
+        if cp_group is not None:
+            gated = tensor_a2a_hp2cp(gated, seq_dim=0, head_dim=-1, cp_group=cp_group)
         return self.out_proj(gated)
 
 

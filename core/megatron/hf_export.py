@@ -16,8 +16,8 @@ import torch
 
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.errors import ModelSupportError
-from model_support.core.megatron.builder import MegatronModel, mapping_name, mapping_registry
-from model_support.core.megatron.lora import lora_modules
+from model_support.core.megatron.builder import MegatronModel, global_name, mapping_name, mapping_registry
+from model_support.core.megatron.lora import LoraLinear
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -32,7 +32,7 @@ def _local_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, t
     A wrapped linear's own weight gets the update merged; its other parameters (e.g. the ``post_layernorm``
     of a :class:`~model_support.core.megatron.spec.PostNormRowParallelLinear`) are exported unchanged.
     """
-    wrapped = lora_modules(model)
+    wrapped = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
     for name, param in model.named_parameters():
         parts = name.split(".")
         owner = next((i for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in wrapped), None)
@@ -50,6 +50,33 @@ def _local_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, t
         yield ".".join([prefix, *inner]), shard, lora.base.get_submodule(".".join(inner[:-1]))
 
 
+def _tasks(local: dict[str, tuple[torch.Tensor, torch.nn.Module]], lookup) -> list:
+    """One conversion task per parameter of the whole model, in the same order on every pipeline rank (the bridge's
+    order): this rank's with their merged shard, the other stages' empty (the bridge broadcasts them from their
+    owner), as megatron-bridge's ``build_conversion_tasks`` lays them out for its own wrappers."""
+    import torch.distributed as dist
+    from megatron.bridge.models.conversion.model_bridge import WeightConversionTask
+    from megatron.bridge.models.conversion.utils import extract_sort_key
+    from megatron.core import parallel_state
+
+    names = list(local)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stages: list[list[str]] = [[] for _ in range(group.size())]
+        dist.all_gather_object(stages, names, group=group)
+        names = sorted({name for stage in stages for name in stage}, key=extract_sort_key)
+    tasks = []
+    for name in names:
+        shard, module = local.get(name, (None, None))
+        mapping = lookup(mapping_name(name, lookup))
+        tasks.append(
+            WeightConversionTask(
+                param_name=name, global_param_name=name, mapping=mapping, megatron_module=module, param_weight=shard
+            )
+        )
+    return tasks
+
+
 def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of ``built``'s checkpoint exactly once, as ``(name in the files, tensor)``, LoRA merged in.
 
@@ -59,7 +86,6 @@ def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
     and every rank gets the full tensors. Raises :class:`HFExportError` if the bridge exports a tensor the
     checkpoint lacks or with another shape.
     """
-    from megatron.bridge.models.conversion.model_bridge import WeightConversionTask
     from safetensors import safe_open
 
     checkpoint = built.checkpoint
@@ -68,18 +94,20 @@ def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
     lookup = registry.megatron_to_hf_lookup
     # The bridge merges only its own PEFT wrappers (`.to_wrap.`/`.adapter.`); tasks for LoraLinear's are built here.
-    tasks = (
-        WeightConversionTask(
-            param_name=name,
-            global_param_name=name,
-            mapping=lookup(mapping_name(name, lookup)),
-            megatron_module=module,
-            param_weight=shard,
-        )
-        for name, shard, module in _local_shards(built.model)
-    )
+    tied = bool(built.provider.share_embeddings_and_output_weights)
+    local = {
+        global_name(chunk, name): (shard, module)
+        for chunk in built.chunks
+        for name, shard, module in _local_shards(chunk)
+        if not (tied and name.startswith("output_layer."))  # the last stage's copy of the tied embedding
+    }
     exported = built.bridge.stream_weights_megatron_to_hf(
-        built.model, checkpoint, cpu=False, show_progress=False, conversion_tasks=tasks, merge_adapter_weights=False
+        built.chunks,
+        checkpoint,
+        cpu=False,
+        show_progress=False,
+        conversion_tasks=_tasks(local, lookup),
+        merge_adapter_weights=False,
     )
     done: set[str] = set()
     for name, tensor in exported:

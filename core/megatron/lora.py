@@ -15,6 +15,9 @@
 * expert linears under expert parallelism (tensor parallel 1 inside the experts) do their own communication in
   the token dispatcher; their LoRA is local. :func:`lora_state` names experts by their global index and gathers
   them from every expert-parallel rank.
+* under pipeline parallelism each rank holds some layers (in one chunk, or one per virtual stage): every function
+  here takes a model or a rank's list of chunks, names layers by their global index, and :func:`lora_state`
+  gathers every stage's LoRA.
 
 :func:`lora_state` / :func:`load_lora_state` move LoRA tensors between the ranks' shards and the
 canonical (TP=1) layout the codecs use. A fused output dimension is sharded per section
@@ -25,7 +28,7 @@ canonical (TP=1) layout the codecs use. A fused output dimension is sharded per 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,14 @@ _SCOPE_PARENT = {
 
 class LoraError(ModelSupportError):
     """LoRA could not be applied as declared."""
+
+
+# A model on one rank: one megatron-core model, or the rank's chunks (one per virtual pipeline stage).
+Chunks = torch.nn.Module | Sequence[torch.nn.Module]
+
+
+def chunk_list(model: Chunks) -> list[torch.nn.Module]:
+    return [model] if isinstance(model, torch.nn.Module) else list(model)
 
 
 class LoraLinear(torch.nn.Module):
@@ -181,93 +192,97 @@ def target_key(target: LoraTarget) -> str:
     return f"{target.scope}:{target.megatron}"
 
 
-def apply_lora(model: torch.nn.Module, spec: HandlerSpec, *, rank: int = 8, alpha: float = 16.0) -> LoraReport:
-    """Wrap every module the handler declares a LoRA target for; freeze everything else."""
+def apply_lora(model: Chunks, spec: HandlerSpec, *, rank: int = 8, alpha: float = 16.0) -> LoraReport:
+    """Wrap every module the handler declares a LoRA target for; freeze everything else. Modules are reported under
+    the single-rank model's names."""
+    from model_support.core.megatron.builder import global_name
     from model_support.core.megatron.gdn import GDN_MODULES
 
-    for param in model.parameters():
-        param.requires_grad_(False)
-    modules = dict(model.named_modules())
     wrapped: dict[str, LoraLinear] = {}
     per_target: dict[str, list[str]] = {}
-    for target in spec.lora_targets:
-        pattern = re.compile(rf"^decoder\.layers\.\d+\.{_SCOPE_PARENT[target.scope]}\.{re.escape(target.megatron)}$")
-        hits = []
-        for name, module in modules.items():
-            if not pattern.match(name) or name in wrapped:
-                continue
-            parent_name, leaf = name.rsplit(".", 1)
-            parent = modules[parent_name]
-            is_gdn = isinstance(parent, GDN_MODULES)
-            if target.scope is TargetScope.GDN and not is_gdn:
-                continue
-            if target.scope is TargetScope.ATTENTION and is_gdn:
-                continue
-            if target.scope is TargetScope.MLP and "experts" in parent_name:
-                continue
-            tp = module.tp_group.size()
-            lora = LoraLinear(module, rank, alpha, _sections(name, module, parent, tp))
-            setattr(parent, leaf, lora)
-            wrapped[name] = lora
-            hits.append(name)
-        per_target[target_key(target)] = hits
+    for chunk in chunk_list(model):
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        modules = dict(chunk.named_modules())
+        done: set[str] = set()  # a module two targets name is wrapped once
+        for target in spec.lora_targets:
+            scope = _SCOPE_PARENT[target.scope]
+            pattern = re.compile(rf"^decoder\.layers\.\d+\.{scope}\.{re.escape(target.megatron)}$")
+            hits = per_target.setdefault(target_key(target), [])
+            for name, module in modules.items():
+                if not pattern.match(name) or name in done:
+                    continue
+                parent_name, leaf = name.rsplit(".", 1)
+                parent = modules[parent_name]
+                is_gdn = isinstance(parent, GDN_MODULES)
+                if target.scope is TargetScope.GDN and not is_gdn:
+                    continue
+                if target.scope is TargetScope.ATTENTION and is_gdn:
+                    continue
+                if target.scope is TargetScope.MLP and "experts" in parent_name:
+                    continue
+                tp = module.tp_group.size()
+                lora = LoraLinear(module, rank, alpha, _sections(name, module, parent, tp))
+                setattr(parent, leaf, lora)
+                done.add(name)
+                wrapped[global_name(chunk, name)] = lora
+                hits.append(global_name(chunk, name))
     return LoraReport(wrapped, per_target)
 
 
-def lora_modules(model: torch.nn.Module) -> dict[str, LoraLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+def lora_modules(model: Chunks) -> dict[str, LoraLinear]:
+    """This rank's LoRA modules under the single-rank model's names (global layer and expert indices)."""
+    from model_support.core.megatron.builder import global_name
+
+    return {
+        global_name(chunk, name): m
+        for chunk in chunk_list(model)
+        for name, m in chunk.named_modules()
+        if isinstance(m, LoraLinear)
+    }
 
 
-def _by_global_name(model: torch.nn.Module) -> dict[str, LoraLinear]:
-    """This rank's LoRA modules, experts named by their global index (the single-rank model's names)."""
-    from model_support.core.megatron.builder import global_expert_name
-
-    experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
-    return {global_expert_name(name, experts): module for name, module in lora_modules(model).items()}
-
-
-def _expert_group():
-    """The expert-parallel group when experts are split across ranks, else None."""
+def _spread_over() -> list[tuple[object, Callable[[str], bool]]]:
+    """The groups whose ranks hold different parts of the model, with which tensors each splits: the expert-parallel
+    group splits the experts, the pipeline-parallel group the layers (experts already gathered)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return None
-    return (
-        parallel_state.get_expert_model_parallel_group()
-        if parallel_state.get_expert_model_parallel_world_size() > 1
-        else None
-    )
+        return []
+    groups: list[tuple[object, Callable[[str], bool]]] = []
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        groups.append((parallel_state.get_expert_model_parallel_group(), lambda name: ".local_experts." in name))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        groups.append((parallel_state.get_pipeline_model_parallel_group(), lambda name: True))
+    return groups
 
 
-def lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def lora_state(model: Chunks) -> dict[str, torch.Tensor]:
     """Canonical LoRA tensors keyed ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, the whole model's on
-    every rank (tensor-parallel shards gathered, experts of every expert-parallel rank)."""
+    every rank (tensor-parallel shards gathered, experts of every expert-parallel rank, layers of every pipeline
+    stage)."""
     out = {}
-    for name, module in _by_global_name(model).items():
+    for name, module in lora_modules(model).items():
         a, b = module.canonical()
         out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = a, b
-    group = _expert_group()
-    if group is not None:
-        experts = {k: v.cpu() for k, v in out.items() if ".local_experts." in k}
-        gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size())]
-        dist.all_gather_object(gathered, experts, group=group)
-        device = next(iter(out.values())).device
-        for part in gathered:
+    device = next(iter(out.values())).device if out else torch.device("cpu")
+    for group, split in _spread_over():
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size())]
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in out.items() if split(k)}, group=group)
+        for part in parts:
             out.update({k: v.to(device) for k, v in part.items()})
     return out
 
 
-def load_lora_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+def load_lora_state(model: Chunks, tensors: Mapping[str, torch.Tensor]) -> None:
     """Load canonical LoRA tensors (exact inverse of :func:`lora_state`); every LoRA module must be covered, and
-    every tensor must belong to a LoRA module of the model (on some expert-parallel rank)."""
-    modules = _by_global_name(model)
-    local = {f"{n}.lora_{w}.weight" for n in modules for w in "AB"}
-    expected = set(local)
-    group = _expert_group()
-    if group is not None:
+    every tensor must belong to a LoRA module of the model (on some expert-parallel or pipeline rank)."""
+    modules = lora_modules(model)
+    expected = {f"{n}.lora_{w}.weight" for n in modules for w in "AB"}
+    for group, split in _spread_over():
         names: list[set[str]] = [set() for _ in range(group.size())]
-        dist.all_gather_object(names, local, group=group)
-        expected = set().union(*names)
+        dist.all_gather_object(names, {n for n in expected if split(n)}, group=group)
+        expected |= set().union(*names)
     if set(tensors) != expected:
         extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
         raise LoraError(f"LoRA tensors do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -275,7 +290,7 @@ def load_lora_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor])
         module.load_canonical(tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"])
 
 
-def sync_sequence_parallel_grads(model: torch.nn.Module) -> None:
+def sync_sequence_parallel_grads(model: Chunks) -> None:
     """Sum the gradients of LoRA factors marked ``sequence_parallel`` over the tensor-parallel group (each rank saw
     its own sequence shard), as megatron-core's ``finalize_model_grads`` does for a trainer's wrapped model."""
     for module in lora_modules(model).values():
@@ -284,7 +299,22 @@ def sync_sequence_parallel_grads(model: torch.nn.Module) -> None:
                 dist.all_reduce(param.grad, group=module.group)
 
 
-def random_lora_state(model: torch.nn.Module, *, seed: int, b_std: float = 0.02) -> dict[str, torch.Tensor]:
+def reduce_lora_grads(model: Chunks) -> None:
+    """The batch's LoRA gradients on every rank (see :func:`model_support.core.api.reduce_lora_grads`)."""
+    from megatron.core import parallel_state
+
+    sync_sequence_parallel_grads(model)
+    scale = 1.0 / parallel_state.get_data_parallel_world_size()
+    dense = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    expert = parallel_state.get_expert_data_parallel_group()
+    for module in lora_modules(model).values():
+        for param in (module.lora_A.weight, module.lora_B.weight):
+            if param.grad is not None:
+                param.grad *= scale
+                dist.all_reduce(param.grad, group=expert if module.expert else dense)
+
+
+def random_lora_state(model: Chunks, *, seed: int, b_std: float = 0.02) -> dict[str, torch.Tensor]:
     """Canonical LoRA tensors with a random, non-zero B (the same on every rank and in every layout, given
     ``seed``: drawn over the whole model's modules in name order)."""
     gen = torch.Generator().manual_seed(seed)

@@ -98,21 +98,38 @@ class SDPAttention(MegatronModule):
         self.window = window
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
+        from model_support.core.megatron import context_parallel
+
+        seq, batch = query.shape[0], query.shape[1]
+        positions = None  # of queries and keys in the whole sequence, where they are not 0..S-1 alike
+        cp_group = context_parallel.group()
+        if cp_group is not None:
+            # Context parallel: this rank's queries attend to every rank's keys, gathered in sequence order.
+            if attention_mask is not None:
+                raise ValueError("a packed (masked) row under context parallelism needs THD attention")
+            total = seq * cp_group.size()
+            key, value = context_parallel.gather_keys(key, cp_group), context_parallel.gather_keys(value, cp_group)
+            positions = (
+                context_parallel.local_positions(total, cp_group, query.device),
+                torch.arange(key.shape[0], device=query.device),
+            )
+        elif self.window is not None:
+            positions = (torch.arange(seq, device=query.device),) * 2
         # [S, B, H, D] -> [B, H, S, D]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if q.shape[1] > k.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        if self.window is not None:
-            pos = torch.arange(query.shape[0], device=query.device)
-            distance = pos[:, None] - pos[None, :]
-            outside = (distance < 0) | (distance >= self.window)
+        if positions is not None:
+            distance = positions[0][:, None] - positions[1][None, :]
+            outside = distance < 0
+            if self.window is not None:
+                outside |= distance >= self.window
             attention_mask = outside if attention_mask is None else attention_mask | outside
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
-        seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
@@ -176,6 +193,16 @@ def gpt_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBlock
     return block
 
 
+def stage_layers(config: Any, layers: list[ModuleSpec], vp_stage: int | None = None) -> list[ModuleSpec]:
+    """The specs of this pipeline stage's layers (this rank, virtual stage ``vp_stage``), out of one spec per layer
+    of the whole model: megatron-core's ``TransformerBlock`` builds every spec it is given."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return layers[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+
+
 def hybrid_block_spec(
     config: Any, vp_stage: int | None = None, *, gdn_kernel: str | None = None
 ) -> TransformerBlockSubmodules:
@@ -208,4 +235,4 @@ def hybrid_block_spec(
             spec.submodules.self_attention = gdn
         layers.append(spec)
     final_norm = local_norm(config) or base.submodules.input_layernorm
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=stage_layers(config, layers, vp_stage), layer_norm=final_norm)

@@ -12,12 +12,24 @@ from model_support.core.parallel import ParallelLayout, ParallelLayoutError, par
 from tests.helpers import run_cli
 from tests.megatron.conftest import require_megatron
 
-LIMITS = {"logits_max_abs_err": 1e-4, "grad_max_abs_err": 1e-5, "adapter_mismatches": 0, "router_topk_mismatches": 0}
+LIMITS = {
+    "logits_max_abs_err": 1e-4,
+    "grad_max_abs_err": 1e-5,
+    "adapter_mismatches": 0,
+    "router_topk_mismatches": 0,
+    "merged_max_abs_err": 1e-5,
+    "merged_mismatches": 0,
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("handler", "layouts"), [("qwen3", ("tp2", "tp2-sp")), ("qwen3.5-moe", ("ep2", "tp2-sp", "tp2-sp-ep2"))]
+    ("handler", "layouts"),
+    [
+        # Two layers: no four pipeline chunks (pp2-vp2 is named as not checked).
+        ("qwen3", ("tp2", "tp2-sp", "pp2", "cp2", "tp2-pp2")),
+        ("qwen3.5-moe", ("ep2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")),
+    ],
 )
 def test_default_layouts_match_the_single_rank_model(handler: str, layouts: tuple[str, ...], tmp_path: Path):
     require_megatron()
@@ -34,21 +46,33 @@ def test_default_layouts_match_the_single_rank_model(handler: str, layouts: tupl
             assert metrics[f"{name}.{key}"] <= limit, (name, key, metrics[f"{name}.{key}"])
     if handler.endswith("moe"):  # every router's top-k sets compared, none differ
         assert metrics["router_topk_mismatches"] == 0
+    else:
+        assert "pp2-vp2: not checked, the model cannot be split so (its 2 layers do not split into 4 pipeline " in (
+            "\n".join(verdict["details"])
+        )
 
 
 def test_layouts_parse_to_canonical_names_and_refuse_what_they_cannot_say():
     assert parse_layouts("tp2, tp2-sp,EP2,tp2xep2") == ("tp2", "tp2-sp", "ep2", "tp2-ep2")
     assert ParallelLayout.parse("tp2-sp-ep2") == ParallelLayout(2, True, 2)
-    with pytest.raises(ParallelLayoutError, match="parts are tpN, epN and sp"):
-        parse_layouts("pp2")
+    assert parse_layouts("pp2xtp2,cp2, vp2-pp2") == ("tp2-pp2", "cp2", "pp2-vp2")
+    assert ParallelLayout.parse("tp2-pp2").model_parallel == 4
+    with pytest.raises(ParallelLayoutError, match="parts are tpN, epN, ppN, vpN, cpN and sp"):
+        parse_layouts("dp2")
+    with pytest.raises(ParallelLayoutError, match="need pipeline_parallel > 1"):
+        parse_layouts("vp2")
     with pytest.raises(ParallelLayoutError, match="needs tensor_parallel > 1"):
         parse_layouts("sp")
 
 
 def test_check_with_a_malformed_layout_is_a_one_line_error():
-    result = run_cli("check", "qwen3", "--tiny", "--layouts", "cp2")
+    result = run_cli("check", "qwen3", "--tiny", "--layouts", "zp2")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith("parts are tpN, epN and sp (e.g. tp2-sp-ep2)")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("parts are tpN, epN, ppN, vpN, cpN and sp (e.g. tp2-sp-ep2, pp2-vp2)")
+    )
 
 
 def test_a_handler_refuses_the_parallel_dimensions_it_declares_it_cannot_train_in():
@@ -60,8 +84,8 @@ def test_a_handler_refuses_the_parallel_dimensions_it_declares_it_cannot_train_i
     policy = RuntimePolicy(parallel_limits={"tensor_parallel": "the kernel keeps one rank's gradient"})
     assert policy.refused(ParallelLayout(expert_parallel=2)) is None
     assert policy.refused(ParallelLayout(2, True, 2)) == "tensor parallel: the kernel keeps one rank's gradient"
-    with pytest.raises(SpecError, match="parallel_limits map tensor_parallel / sequence_parallel / expert_parallel"):
-        dataclasses.replace(QWEN3_MOE, runtime=RuntimePolicy(parallel_limits={"pipeline_parallel": "not built"}))
+    with pytest.raises(SpecError, match="parallel_limits map one of tensor_parallel, sequence_parallel"):
+        dataclasses.replace(QWEN3_MOE, runtime=RuntimePolicy(parallel_limits={"pipeline": "not built"}))
 
 
 def test_build_model_refuses_a_layout_the_handler_refuses(tiny_model_dir):

@@ -10,25 +10,35 @@ from typing import ClassVar
 
 import torch
 
+from model_support.core.parallel import ParallelLayout
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
-# Layouts checked when the run names none: tensor parallel (with and without sequence parallel) for every family;
-# expert parallel, alone and with tensor + sequence parallel, for MoE (megatron-core needs sequence parallel for an
-# MoE model at tensor parallel > 1). World sizes 2 and 4.
-DENSE_LAYOUTS = ("tp2", "tp2-sp")
-MOE_LAYOUTS = ("ep2", "tp2-sp", "tp2-sp-ep2")
+# Layouts checked when the run names none, on world sizes 2 and 4: tensor (with and without sequence parallel),
+# pipeline (with virtual stages), context parallel, and tensor x pipeline for every family; for MoE also expert
+# parallel alone, with tensor + sequence parallel and with pipeline parallel (megatron-core needs sequence parallel
+# for an MoE model at tensor parallel > 1).
+DENSE_LAYOUTS = ("tp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-pp2")
+MOE_LAYOUTS = ("ep2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")
 
 
 def default_layouts(moe: bool) -> tuple[str, ...]:
     return MOE_LAYOUTS if moe else DENSE_LAYOUTS
 
 
+def unfit(layout: ParallelLayout, num_layers: int) -> str | None:
+    """Why the model cannot be split in ``layout`` at all (None: it can)."""
+    chunks = layout.pipeline_parallel * layout.virtual_pipeline
+    if num_layers % chunks:
+        return f"its {num_layers} layers do not split into {chunks} pipeline chunks"
+    return None
+
+
 def _error_line(out: Path, layout: str) -> str:
-    """The worker's one-line error for ``layout`` ("" when it wrote none)."""
-    path = out / f"{layout}.error"
-    return path.read_text().splitlines()[0] if path.exists() else ""
+    """The worker's one-line error for ``layout``: the first rank's to fail ("" when none wrote one)."""
+    errors = sorted(out.glob(f"{layout}.rank*.error"), key=lambda path: path.stat().st_mtime_ns)
+    return errors[0].read_text().splitlines()[0] if errors else ""
 
 
 class ParallelParityStage(Stage):
@@ -36,14 +46,16 @@ class ParallelParityStage(Stage):
     ``torchrun`` job (:mod:`model_support.validation.parallel_worker`; gloo on the CPU): the same canonical random
     LoRA, the same tokens. Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the loss, every
     LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and mean-abs-percent of the
-    oracle's update), each router's top-k expert sets (identical), and the PEFT adapter exported before the step
-    (bit for bit). Layouts come from ``check --layouts`` (default: tp2, tp2-sp; MoE: ep2, tp2-sp, tp2-sp-ep2); a
-    layout the handler refuses (``RuntimePolicy.parallel_limits``) is named with its reason instead. With as many
-    GPUs as the largest layout needs the job runs one process per GPU (NCCL), else on the CPU (gloo). Pipeline and
-    context parallelism are not built yet, so no layout uses them."""
+    oracle's update), each router's top-k expert sets (identical), the PEFT adapter exported before the step (bit for
+    bit), and the merged HF weights exported after it (max-abs, every tensor present). The forward and backward run
+    through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two micro-batches. Layouts come
+    from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, tp2-sp, pp2, pp2-vp2, cp2,
+    tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the model cannot be
+    split into (layers per pipeline chunk) is named with its reason instead. With as many GPUs as the largest layout
+    needs the job runs one process per GPU (NCCL), else on the CPU (gloo)."""
 
     name = "parallel_parity"
-    title = "Tensor (+ sequence) and expert parallel layouts match the single-rank model: logits, loss, LoRA grads."
+    title = "Tensor, sequence, pipeline, context and expert parallel layouts train like the single-rank model."
     order = 62
     requires = ("lora_coverage",)
     packages = MEGATRON_PACKAGES
@@ -56,6 +68,8 @@ class ParallelParityStage(Stage):
         "grad_mean_abs_pct": 0.01,
         "router_topk_mismatches": 0,
         "adapter_mismatches": 0,
+        "merged_max_abs_err": 1e-5,
+        "merged_mismatches": 0,
         "layouts_failed": 0,
     }
     timeout_s = 900
@@ -63,7 +77,6 @@ class ParallelParityStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
         from safetensors.torch import load_file
 
-        from model_support.core.parallel import ParallelLayout
         from model_support.core.serving.vllm_backend import free_port
         from model_support.validation.parallel_worker import LR
 
@@ -71,12 +84,15 @@ class ParallelParityStage(Stage):
         layouts: list[str] = []
         for name in ctx.layouts or default_layouts(ctx.layout.moe is not None):
             refused = ctx.spec.runtime.refused(ParallelLayout.parse(name))
+            cannot = unfit(ParallelLayout.parse(name), ctx.layout.num_layers)
             if refused:  # the family's declared limit: training there is refused, so there is nothing to compare
                 details.append(f"{name}: not checked, the handler refuses it ({refused})")
+            elif cannot:
+                details.append(f"{name}: not checked, the model cannot be split so ({cannot})")
             else:
                 layouts.append(name)
         if not layouts:
-            return self.skipped(f"the handler refuses every layout asked for: {'; '.join(details)}")
+            return self.skipped(f"no layout asked for can be checked: {'; '.join(details)}")
         world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
         out = ctx.workdir / "parallel-parity"
         log = ctx.workdir / "parallel-parity.log"
@@ -131,6 +147,17 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
     # An SGD step moved each LoRA tensor by -lr * grad: the difference of the updates is the gradients' times lr.
     update = torch.cat([(oracle[k] - oracle[k.replace("after.", "before.")]).flatten() for k in after])
     update_err = torch.cat([(other[k] - oracle[k]).flatten() if k in other else oracle[k].flatten() for k in after])
+    merged = sorted(k for k in oracle if k.startswith("merged."))
+    merged_mismatches = sum(1 for k in merged if k not in other or other[k].shape != oracle[k].shape)
+    merged_mismatches += sum(1 for k in other if k.startswith("merged.") and k not in oracle)
+    merged_err = max(
+        (
+            (other[k].float() - oracle[k].float()).abs().max().item()
+            for k in merged
+            if k in other and other[k].shape == oracle[k].shape
+        ),
+        default=0.0,
+    )
     topk = sorted(k for k in oracle if k.startswith("topk."))
     topk_mismatches = sum(
         int((other[k] != oracle[k]).any(-1).sum())
@@ -146,4 +173,6 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "grad_mean_abs_pct": 100 * update_err.abs().mean().item() / max(update.abs().mean().item(), 1e-30),
         "router_topk_mismatches": topk_mismatches,
         "adapter_mismatches": mismatched,
+        "merged_max_abs_err": merged_err,
+        "merged_mismatches": merged_mismatches,
     }

@@ -18,7 +18,12 @@ from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from model_support.core.megatron.spec import PostNormRowParallelLinear, SDPAttention, ZeroCenteredRMSNorm
+from model_support.core.megatron.spec import (
+    PostNormRowParallelLinear,
+    SDPAttention,
+    ZeroCenteredRMSNorm,
+    stage_layers,
+)
 
 
 def _layer(window: int | None) -> ModuleSpec:
@@ -55,4 +60,6 @@ def gemma3_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBl
         _layer(config.window_size if _is_local_attn_layer(number, config.interleaved_attn_pattern) else None)
         for number in range(1, config.num_layers + 1)
     ]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=stage_layers(config, layers, vp_stage), layer_norm=ZeroCenteredRMSNorm
+    )
