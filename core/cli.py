@@ -210,9 +210,9 @@ def check(
     layouts: Annotated[
         str | None,
         typer.Option(
-            help="Parallel layouts parallel_parity checks, comma-separated: tpN, epN, ppN, vpN, cpN, sp joined by '-' "
-            "(e.g. tp2,tp2-sp,ep2,pp2-vp2,cp2,tp2-pp2). Default: tp2,tp2-sp,pp2,pp2-vp2,cp2,tp2-pp2; MoE: "
-            "ep2,tp2-sp,pp2,pp2-vp2,cp2,tp2-sp-ep2,ep2-pp2 (those the model's depth splits into)."
+            help="Parallel layouts parallel_parity checks, comma-separated: tpN, epN, etpN, ppN, vpN, cpN, sp joined "
+            "by '-' (e.g. tp2,tp2-sp,ep2,ep2-etp2,pp2-vp2,cp2,tp2-pp2). Default: tp2,tp2-sp,pp2,pp2-vp2,cp2,tp2-pp2; "
+            "MoE: ep2,etp2,tp2-sp,pp2,pp2-vp2,cp2,tp2-sp-ep2,ep2-pp2 (those the model's depth splits into)."
         ),
     ] = None,
 ) -> None:

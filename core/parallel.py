@@ -15,6 +15,7 @@ class ParallelLayoutError(ModelSupportError):
 _SIZES = (
     ("tp", "tensor_parallel"),
     ("ep", "expert_parallel"),
+    ("etp", "expert_tensor_parallel"),
     ("pp", "pipeline_parallel"),
     ("vp", "virtual_pipeline"),
     ("cp", "context_parallel"),
@@ -26,6 +27,7 @@ DIMENSIONS = (
     "tensor_parallel",
     "sequence_parallel",
     "expert_parallel",
+    "expert_tensor_parallel",
     "pipeline_parallel",
     "virtual_pipeline",
     "context_parallel",
@@ -38,8 +40,9 @@ class ParallelLayout:
 
     ``tensor_parallel`` x ``context_parallel`` x ``pipeline_parallel`` ranks hold one copy of the model (the rest of
     the world is data parallel); ``expert_parallel`` splits the experts over tensor-, context- and data-parallel
-    ranks. ``sequence_parallel`` shards the activations between tensor-parallel linears along the sequence
-    (megatron-core requires it for an MoE model at tensor parallel > 1). ``virtual_pipeline`` > 1 gives each
+    ranks, and ``expert_tensor_parallel`` splits each expert's linears (1: experts whole on each rank).
+    ``sequence_parallel`` shards the activations between tensor-parallel linears along the sequence (megatron-core
+    requires it for an MoE model at tensor parallel > 1). ``virtual_pipeline`` > 1 gives each
     pipeline rank that many model chunks (the interleaved schedule). ``context_parallel`` splits every sequence
     across ranks in 2 x cp chunks, rank i holding chunks i and 2 x cp - 1 - i (megatron-core's load balancing).
     """
@@ -47,6 +50,7 @@ class ParallelLayout:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
     pipeline_parallel: int = 1
     virtual_pipeline: int = 1
     context_parallel: int = 1
@@ -76,18 +80,19 @@ class ParallelLayout:
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
-        """``tp2``, ``tp2-sp``, ``ep2``, ``pp2-vp2``, ``tp2-sp-ep2``, ``cp2`` -> the layout."""
+        """``tp2``, ``tp2-sp``, ``ep2``, ``ep2-etp2``, ``pp2-vp2``, ``tp2-sp-ep2``, ``cp2`` -> the layout."""
         fields = dict(_SIZES)
         sizes: dict[str, int] = {}
         sp = False
         for part in filter(None, text.lower().replace("x", "-").split("-")):
             if part == "sp":
                 sp = True
-            elif part[:2] in fields and part[2:].isdigit():
-                sizes[fields[part[:2]]] = int(part[2:])
+            elif part.rstrip("0123456789") in fields and part[-1].isdigit():
+                short = part.rstrip("0123456789")
+                sizes[fields[short]] = int(part[len(short) :])
             else:
                 raise ParallelLayoutError(
-                    f"layout {text!r}: parts are tpN, epN, ppN, vpN, cpN and sp (e.g. tp2-sp-ep2, pp2-vp2)"
+                    f"layout {text!r}: parts are tpN, epN, etpN, ppN, vpN, cpN and sp (e.g. tp2-sp-ep2, pp2-vp2)"
                 )
         return cls(sequence_parallel=sp, **sizes)
 
@@ -97,9 +102,10 @@ class ParallelLayout:
 
     @property
     def model_parallel(self) -> int:
-        """The fewest ranks the layout needs: tensor x context x pipeline ranks, times expert parallel (experts
-        split over data-parallel replicas of that)."""
-        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.expert_parallel
+        """The ranks the layout is run on: tensor x context x pipeline ranks, times expert x expert tensor parallel
+        (experts split over data-parallel replicas of that)."""
+        dense = self.tensor_parallel * self.context_parallel * self.pipeline_parallel
+        return dense * self.expert_parallel * self.expert_tensor_parallel
 
 
 def parse_layouts(text: str) -> tuple[str, ...]:

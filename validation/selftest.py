@@ -264,6 +264,13 @@ def _part_not_gathered(kind: str) -> AbstractContextManager[Any]:
     )
 
 
+def _expert_tp_grad_unsummed() -> AbstractContextManager[Any]:
+    """Under expert tensor parallelism the replicated LoRA factor keeps this shard's part of its gradient."""
+    from model_support.core.megatron import lora
+
+    return mock.patch.object(lora._SumGradient, "apply", lambda weight, group: weight)
+
+
 def _context_keys_local() -> AbstractContextManager[Any]:
     """Context-parallel attention attends to its own rank's keys and values only."""
     from model_support.core.megatron import context_parallel
@@ -304,6 +311,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "parallel_parity", _sequence_parallel_grads_unsynced),
     Mutation("expert-shard-dropped", "the LoRA state keeps one expert-parallel rank's experts", "qwen3-moe",
              "parallel_parity", lambda: _part_not_gathered("expert")),
+    Mutation("etp-lora-grad-unsummed", "expert-tensor-parallel LoRA keeps one shard's part of a replicated factor's "
+             "gradient", "qwen3-moe", "parallel_parity", _expert_tp_grad_unsummed),
     Mutation("pipeline-stage-dropped", "the LoRA state (and its export) keeps one pipeline stage's layers", "qwen3",
              "parallel_parity", lambda: _part_not_gathered("pipeline")),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",

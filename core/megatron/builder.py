@@ -268,7 +268,7 @@ def _configure(
     provider.pipeline_dtype = numerics.dtype
     provider.batch_p2p_sync = numerics.device.type == "cuda"  # a CUDA synchronize after pipeline sends
     provider.expert_model_parallel_size = parallel.expert_parallel
-    provider.expert_tensor_parallel_size = 1  # experts whole on each rank (LoRA on expert-TP shards is refused)
+    provider.expert_tensor_parallel_size = parallel.expert_tensor_parallel
     if not mtp:  # the bridge sets it from the config (top level or text_config, either field name)
         provider.mtp_num_layers = None
     if provider.num_moe_experts:
@@ -416,6 +416,7 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
             module.gating = _on_cpu(module.gating)
     config = getattr(model, "config", None)
     parallel = config is not None and config.tensor_model_parallel_size * config.expert_model_parallel_size > 1
+    parallel |= config is not None and (config.expert_tensor_parallel_size or 1) > 1
     parallel |= config is not None and config.pipeline_model_parallel_size * config.context_parallel_size > 1
     if parallel and not torch.cuda.is_available():
         _collectives_on_cpu()

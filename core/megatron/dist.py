@@ -43,6 +43,7 @@ def init_parallel(layout: ParallelLayout | None = None) -> None:
         existing = {
             "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
             "expert_parallel": parallel_state.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel": parallel_state.get_expert_tensor_parallel_world_size(),
             "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
             "virtual_pipeline": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
             "context_parallel": parallel_state.get_context_parallel_world_size(),
@@ -59,14 +60,13 @@ def init_parallel(layout: ParallelLayout | None = None) -> None:
             f"world size {dist.get_world_size()} is not a multiple of the {layout.model_parallel} ranks layout "
             f"{layout.name} needs (tensor x context x pipeline x expert parallel)"
         )
-    # Experts stay whole on each rank (expert tensor parallel 1), as LoRA on experts needs.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel,
         pipeline_model_parallel_size=layout.pipeline_parallel,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline if layout.virtual_pipeline > 1 else None,
         context_parallel_size=layout.context_parallel,
         expert_model_parallel_size=layout.expert_parallel,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel,
     )
     from megatron.core import tensor_parallel as mtp
 

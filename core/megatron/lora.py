@@ -12,8 +12,10 @@
   row-parallel A(x) is reduce-scattered. The replicated factor (A of a column, B of a row) then gets the gradient
   of this rank's tokens only; it is marked ``sequence_parallel`` as megatron-core marks its norms, and
   :func:`sync_sequence_parallel_grads` (or megatron-core's ``finalize_model_grads`` in a trainer) sums it.
-* expert linears under expert parallelism (tensor parallel 1 inside the experts) do their own communication in
-  the token dispatcher; their LoRA is local. :func:`lora_state` names experts by their global index and gathers
+* expert linears do their communication in the token dispatcher, which gives every expert-tensor-parallel rank
+  the same tokens and sums their row-parallel outputs; their LoRA needs none in the forward. Under expert tensor
+  parallelism the replicated factor's gradient (A of a column, B of a row) is summed over the shards in the
+  backward. :func:`lora_state` names experts by their global index and gathers
   them from every expert-parallel rank.
 * under pipeline parallelism each rank holds some layers (in one chunk, or one per virtual stage): every function
   here takes a model or a rank's list of chunks, names layers by their global index, and :func:`lora_state`
@@ -69,13 +71,9 @@ class LoraLinear(torch.nn.Module):
         if not isinstance(base, ColumnParallelLinear | RowParallelLinear):
             raise LoraError(f"LoRA wraps ColumnParallelLinear / RowParallelLinear, not {type(base).__name__}")
         # Expert linears (reduced over the expert data-parallel group) leave their communication to the token
-        # dispatcher under expert or tensor parallelism.
+        # dispatcher under expert or expert tensor parallelism.
         self.expert = bool(getattr(base, "is_expert", False))
         self.local = bool(getattr(base, "explicit_expert_comm", False))
-        if self.local and base.tp_group.size() > 1:
-            # The dispatcher splits expert activations across expert tensor-parallel ranks; the LoRA branch would
-            # need its own collectives there.
-            raise LoraError("LoRA on expert linears with expert tensor parallelism > 1 is not supported")
         self.base = base
         self.column = isinstance(base, ColumnParallelLinear)
         self.group = base.tp_group
@@ -109,8 +107,17 @@ class LoraLinear(torch.nn.Module):
         # A projection with its own output norm takes the update before that norm, as the merged weight would.
         post_norm = getattr(self.base, "post_layernorm", None)
         out, bias = (self.base if post_norm is None else self.base.project)(x, *args, **kwargs)
-        hidden = self.lora_A(x.to(self.lora_A.weight.dtype))
-        if self.column and not self.local:
+        weight_a, weight_b = self.lora_A.weight, self.lora_B.weight
+        if self.local and self.tp > 1:
+            # Expert tensor parallel: the dispatcher gives every rank the same tokens, sums the row-parallel outputs
+            # and, backward, the input gradients. The replicated factor (A of a column, B of a row) gets this
+            # shard's part of its gradient, summed over the shards here.
+            if self.column:
+                weight_a = _SumGradient.apply(weight_a, self.group)
+            else:
+                weight_b = _SumGradient.apply(weight_b, self.group)
+        hidden = torch.nn.functional.linear(x.to(weight_a.dtype), weight_a)
+        if not self.local and self.column:
             if self.sequence_parallel:
                 hidden = gather_from_sequence_parallel_region(hidden, group=self.group)
             else:
@@ -120,7 +127,7 @@ class LoraLinear(torch.nn.Module):
                 hidden = reduce_scatter_to_sequence_parallel_region(hidden, group=self.group)
             else:
                 hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.group)
-        out = out + (self.scale * self.lora_B(hidden)).to(out.dtype)
+        out = out + (self.scale * torch.nn.functional.linear(hidden, weight_b)).to(out.dtype)
         return (out if post_norm is None else post_norm(out)), bias
 
     # --- canonical <-> shard ---------------------------------------------------------------------------------
@@ -163,6 +170,21 @@ class LoraLinear(torch.nn.Module):
         with torch.no_grad():
             self.lora_A.weight.copy_(a)
             self.lora_B.weight.copy_(b)
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (a replicated weight fed partial inputs)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:

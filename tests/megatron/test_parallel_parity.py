@@ -28,7 +28,7 @@ LIMITS = {
     [
         # Two layers: no four pipeline chunks (pp2-vp2 is named as not checked).
         ("qwen3", ("tp2", "tp2-sp", "pp2", "cp2", "tp2-pp2")),
-        ("qwen3.5-moe", ("ep2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")),
+        ("qwen3.5-moe", ("ep2", "etp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")),
     ],
 )
 def test_default_layouts_match_the_single_rank_model(handler: str, layouts: tuple[str, ...], tmp_path: Path):
@@ -57,7 +57,8 @@ def test_layouts_parse_to_canonical_names_and_refuse_what_they_cannot_say():
     assert ParallelLayout.parse("tp2-sp-ep2") == ParallelLayout(2, True, 2)
     assert parse_layouts("pp2xtp2,cp2, vp2-pp2") == ("tp2-pp2", "cp2", "pp2-vp2")
     assert ParallelLayout.parse("tp2-pp2").model_parallel == 4
-    with pytest.raises(ParallelLayoutError, match="parts are tpN, epN, ppN, vpN, cpN and sp"):
+    assert ParallelLayout.parse("ep2-etp2") == ParallelLayout(expert_parallel=2, expert_tensor_parallel=2)
+    with pytest.raises(ParallelLayoutError, match="parts are tpN, epN, etpN, ppN, vpN, cpN and sp"):
         parse_layouts("dp2")
     with pytest.raises(ParallelLayoutError, match="need pipeline_parallel > 1"):
         parse_layouts("vp2")
@@ -71,7 +72,7 @@ def test_check_with_a_malformed_layout_is_a_one_line_error():
     assert (
         result.stderr.strip()
         .splitlines()[-1]
-        .endswith("parts are tpN, epN, ppN, vpN, cpN and sp (e.g. tp2-sp-ep2, pp2-vp2)")
+        .endswith("parts are tpN, epN, etpN, ppN, vpN, cpN and sp (e.g. tp2-sp-ep2, pp2-vp2)")
     )
 
 

@@ -62,10 +62,10 @@ def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path]
         assert (parity["router_layers"], parity["router_flips"], parity["mtp_layers_built"]) == (1, 0, 0)
         assert parity["rel_l2"] < 1e-5
         assert results["lora_coverage"]["metrics"]["peft_tensors"] == 56
-        # Expert, pipeline and context parallel are checked (multi-latent attention under context parallelism
-        # included); tensor parallel is refused by the handler, and the stage says why.
+        # Expert (and expert tensor), pipeline and context parallel are checked (multi-latent attention under context
+        # parallelism included); tensor parallel is refused by the handler, and the stage says why.
         parity = results["parallel_parity"]
-        assert parity["summary"].startswith("4/4 layouts (ep2, pp2, cp2, ep2-pp2)"), parity["summary"]
+        assert parity["summary"].startswith("5/5 layouts (ep2, etp2, pp2, cp2, ep2-pp2)"), parity["summary"]
         assert any("tp2-sp: not checked, the handler refuses it (tensor parallel: megatron-core 0.19.2" in d
                    for d in parity["details"])  # fmt: skip
 

@@ -46,7 +46,8 @@ def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
     assert coverage["adapter_logits_max_abs_err"] < 1e-5 and coverage["peft_tensors"] == 64
     # The whole-projection q/k norm under tensor + sequence, expert, pipeline and context parallelism (two layers:
     # no four pipeline chunks).
-    assert results["parallel_parity"]["summary"].startswith("6/6 layouts (ep2, tp2-sp, pp2, cp2, tp2-sp-ep2, ep2-pp2)")
+    summary = results["parallel_parity"]["summary"]
+    assert summary.startswith("7/7 layouts (ep2, etp2, tp2-sp, pp2, cp2, tp2-sp-ep2, ep2-pp2)"), summary
     unavailable = get_backend("vllm").unavailable_reason()
     if unavailable is not None:  # no vLLM runtime: every serving stage says why
         for stage in (*SERVING_STAGES, "rl_trainability"):

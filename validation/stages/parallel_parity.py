@@ -17,10 +17,10 @@ from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
 # Layouts checked when the run names none, on world sizes 2 and 4: tensor (with and without sequence parallel),
 # pipeline (with virtual stages), context parallel, and tensor x pipeline for every family; for MoE also expert
-# parallel alone, with tensor + sequence parallel and with pipeline parallel (megatron-core needs sequence parallel
-# for an MoE model at tensor parallel > 1).
+# parallel alone, with tensor + sequence parallel and with pipeline parallel, and expert tensor parallel
+# (megatron-core needs sequence parallel for an MoE model at tensor parallel > 1).
 DENSE_LAYOUTS = ("tp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-pp2")
-MOE_LAYOUTS = ("ep2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")
+MOE_LAYOUTS = ("ep2", "etp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")
 
 
 def default_layouts(moe: bool) -> tuple[str, ...]:
@@ -49,8 +49,8 @@ class ParallelParityStage(Stage):
     oracle's update), each router's top-k expert sets (identical), the PEFT adapter exported before the step (bit for
     bit), and the merged HF weights exported after it (max-abs, every tensor present). The forward and backward run
     through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two micro-batches. Layouts come
-    from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, tp2-sp, pp2, pp2-vp2, cp2,
-    tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the model cannot be
+    from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, etp2, tp2-sp, pp2, pp2-vp2,
+    cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the model cannot be
     split into (layers per pipeline chunk) is named with its reason instead. With as many GPUs as the largest layout
     needs the job runs one process per GPU (NCCL), else on the CPU (gloo)."""
 
