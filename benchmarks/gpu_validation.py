@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MEGATRON_STAGES = ("weights", "hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+MEGATRON_STAGES = ("weights", "hf_parity", "lora_coverage", "packed_position_ids", "shared_prefix", "trainability")
 # The numbers each stage's row shows.
 KEY_METRICS = {
     "weights": ("tensors", "nonfinite_tensors", "zero_matrices"),
@@ -46,6 +46,7 @@ KEY_METRICS = {
         "adapter_effect_rel_l2",
     ),
     "packed_position_ids": ("logits_rel_l2", "grad_mean_abs_pct", "leak_control_rel_l2"),
+    "shared_prefix": ("logits_rel_l2", "loss_rel_err", "grad_mean_abs_pct", "control_rel_l2"),
     "trainability": ("initial_loss", "final_loss", "steps", "peak_lr"),
 }
 

@@ -51,6 +51,7 @@ __all__ = [
     "build_model",
     "export_adapter",
     "forward_backward",
+    "group_logprobs",
     "load_adapter",
     "merged_weights",
     "push_weights",
@@ -313,3 +314,28 @@ def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> 
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     out = torch.log_softmax(logits(model.module, row, positions)[0], dim=-1)
     return list(out.split(lengths))
+
+
+def group_logprobs(
+    model: TrainingModel, prompt: Sequence[int], completions: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """Each completion's log-softmax rows, ``[len(c), vocab]`` fp32, from one forward of ``[prompt, c1, ..., cG]``
+    with the prompt computed once (a GRPO group).
+
+    Row ``t`` of completion ``c`` is the model's distribution over ``c[t]`` given ``prompt + c[:t]``: the same as
+    :func:`token_logprobs` of ``prompt + c`` from ``len(prompt) - 1`` on, without repeating the prompt. Each
+    completion's position ids continue the prompt's; attention and Gated DeltaNet layers keep completions apart
+    (:mod:`model_support.core.megatron.rows`). Differentiable when the model's parameters require grad.
+    """
+    import torch
+
+    from model_support.core.megatron.forward import logits
+    from model_support.core.megatron.rows import RowLayout
+
+    if not prompt or not completions or not all(completions):
+        raise ValueError("a group needs a non-empty prompt and at least one non-empty completion")
+    rows = RowLayout.shared_prefix(len(prompt), [len(c) for c in completions])
+    row = torch.tensor([*prompt, *(t for c in completions for t in c)])[None]
+    out = torch.log_softmax(logits(model.module, row, rows.position_ids())[0], dim=-1)
+    last = out[len(prompt) - 1 : len(prompt)]  # the prompt's last position predicts every completion's first token
+    return [torch.cat([last, out[s.start : s.end - 1]]) for s in rows.groups[0][1:]]

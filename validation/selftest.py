@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,14 +168,38 @@ def _base_left_trainable() -> AbstractContextManager[Any]:
 
 
 def _boundaries_ignored() -> AbstractContextManager[Any]:
-    def one_sequence(position_ids: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([0, position_ids.numel()], dtype=torch.int32, device=position_ids.device)
+    from model_support.core.megatron.rows import RowLayout, Segment
 
-    return mock.patch("model_support.core.megatron.forward.cu_seqlens_from_position_ids", one_sequence)
+    def one_sequence(position_ids: torch.Tensor) -> RowLayout:
+        return RowLayout(((Segment(0, position_ids.shape[-1], 0),),), position_ids.shape[-1])
+
+    return mock.patch.object(RowLayout, "from_position_ids", one_sequence)
 
 
 def _gdn_state_not_reset() -> AbstractContextManager[Any]:
-    return mock.patch("model_support.core.megatron.forward.gdn_packing", lambda model, cu_seqlens: nullcontext())
+    """GDN layers are not told the row's layout: their state runs through it as one sequence."""
+    return mock.patch("model_support.core.megatron.forward._gdn_layers", lambda model: [])
+
+
+def _completion_rope_at_row_index() -> AbstractContextManager[Any]:
+    """Shared-prefix rows: rotary embeddings by index in the row, not by the completion's true position."""
+    return mock.patch("model_support.core.megatron.forward._rotary_at", lambda module, positions: module.forward)
+
+
+def _completion_conv_restarts() -> AbstractContextManager[Any]:
+    """Shared-prefix rows: a completion's causal convolution starts from zeros, not after its prompt's tokens."""
+    from model_support.core.megatron import gdn
+    from model_support.core.megatron.rows import RowLayout
+
+    conv = gdn.causal_conv
+
+    def restarting(x: torch.Tensor, weight: torch.Tensor, rows: RowLayout | None) -> torch.Tensor:
+        if rows is None or not rows.shared:
+            return conv(x, weight, rows)
+        plain = RowLayout(tuple((segment,) for segment in rows.segments), rows.length)
+        return conv(x, weight, plain)
+
+    return mock.patch.object(gdn, "causal_conv", restarting)
 
 
 def _model_mutated(mutate: Callable[[torch.nn.Module], None]) -> AbstractContextManager[Any]:
@@ -297,6 +321,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              "packed_position_ids", _boundaries_ignored),
     Mutation("gdn-state-not-reset", "GDN layers carry state across packed sequence boundaries", "qwen3.5",
              "packed_position_ids", _gdn_state_not_reset),
+    Mutation("completion-rope-at-row-index", "shared-prefix rows: completions rotated by row index, not position",
+             "qwen3", "shared_prefix", _completion_rope_at_row_index),
+    Mutation("completion-conv-restarts", "shared-prefix rows: a completion's GDN convolution forgets the prompt",
+             "qwen3.5", "shared_prefix", _completion_conv_restarts),
     Mutation("router-rows-rolled", "one MoE router's expert rows off by one", "qwen3-moe", "hf_parity",
              _router_rolled),
     Mutation("gdn-q-k-swapped", "one GDN layer's in_proj q and k rows exchanged in Megatron", "qwen3.5", "hf_parity",

@@ -1,11 +1,10 @@
-"""Running a built megatron-core model: logits for plain and packed rows.
+"""Running a built megatron-core model: logits for plain and packed rows, and a training step in any layout.
 
-A packed row holds several sequences back to back, each with position ids restarting at 0. The sequence
-boundaries (``cu_seqlens``) are derived from the position ids once, and both kinds of token mixers
-use them: full attention gets a block-diagonal causal mask (the local spec's attention takes an explicit
-mask), Gated DeltaNet layers get ``cu_seqlens`` so no recurrent or convolution state crosses a boundary.
-RoPE depends only on the distance between a query and a key, so within one sequence it is unchanged by
-where the sequence sits in the row.
+A packed row holds several sequences back to back, each with position ids restarting at 0, and may hold
+shared-prefix groups (a prompt followed by completions whose position ids continue it). The row's layout
+(:class:`~model_support.core.megatron.rows.RowLayout`) is derived from the position ids once, and every token
+mixer uses it: attention block by block (no [S, S] mask), Gated DeltaNet layers with ``cu_seqlens`` (no recurrent
+or convolution state crosses a sequence boundary; a prompt's state is computed once for its completions).
 """
 
 from __future__ import annotations
@@ -18,38 +17,53 @@ import torch
 import torch.distributed as dist
 
 from model_support.core.megatron.context_parallel import split_batch, whole_sequence
+from model_support.core.megatron.rows import RowLayout
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """int32 cumulative sequence lengths of one packed row: a sequence starts wherever the position id is 0."""
-    from model_support.kernels.packing import cu_seqlens_from_position_ids as derive
+def _attention_cores(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from model_support.core.megatron.spec import SDPAttention
 
-    return derive(position_ids)
+    return [m for m in model.modules() if isinstance(m, SDPAttention)]
 
 
-def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[1, 1, S, S] boolean mask, True where attention is forbidden (other sequence, or the future)."""
-    seq_id = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
-    seq_id[cu_seqlens[1:-1].long()] = 1
-    seq_id = seq_id.cumsum(0)
-    same = seq_id[:, None] == seq_id[None, :]
-    causal = torch.ones(total, total, dtype=torch.bool, device=cu_seqlens.device).tril()
-    return ~(same & causal)[None, None]
+def _gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from model_support.core.megatron.gdn import GDN_MODULES
+
+    return [m for m in model.modules() if isinstance(m, GDN_MODULES)]
+
+
+def _rotary_at(module: torch.nn.Module, positions: torch.Tensor) -> Callable[..., object]:
+    """A rotary embedding's forward that gives each token the embedding of its true position."""
+    computed = module.forward
+
+    def forward(_max_seq_len: int, *args: object, **kwargs: object) -> object:
+        out = computed(int(positions.max()) + 1, *args, **kwargs)
+        # [S, 1, 1, D] (multi-latent attention's yarn embedding also returns its mscale)
+        return (out[0][positions], *out[1:]) if isinstance(out, tuple) else out[positions]
+
+    return forward
 
 
 @contextmanager
-def gdn_packing(model: torch.nn.Module, cu_seqlens: torch.Tensor | None) -> Iterator[None]:
-    """Let every Gated DeltaNet layer of ``model`` see the row's sequence boundaries during a forward."""
-    from model_support.core.megatron.gdn import GDN_MODULES
+def packed_rows(model: torch.nn.Module, rows: RowLayout | None) -> Iterator[None]:
+    """Let ``model``'s attention and Gated DeltaNet layers see the row's layout during a forward; a row with
+    shared prefixes also gets each token's rotary embedding at its true position (a completion's continue its
+    prompt's; a plain packed row needs none: within a sequence only distances matter)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    layers = [m for m in model.modules() if isinstance(m, GDN_MODULES)]
+    layers = [*_attention_cores(model), *_gdn_layers(model)]
+    rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)] if rows and rows.shared else []
     for layer in layers:
-        layer.cu_seqlens = cu_seqlens
+        layer.rows = rows
+    for module in rotary:
+        module.forward = _rotary_at(module, rows.positions.to(next(model.parameters()).device))
     try:
         yield
     finally:
         for layer in layers:
-            layer.cu_seqlens = None
+            layer.rows = None
+        for module in rotary:
+            del module.forward  # back to the class's forward
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -70,17 +84,15 @@ class _GatherVocab(torch.autograd.Function):
 
 def _prepare(
     input_ids: torch.Tensor, position_ids: torch.Tensor | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(input ids, position ids, attention mask, cu_seqlens) of plain rows or one packed row, on ``device``."""
+) -> tuple[torch.Tensor, torch.Tensor, RowLayout | None]:
+    """(input ids, position ids, row layout) of plain rows or one packed row, on ``device``."""
     input_ids = input_ids.to(device)
     batch, total = input_ids.shape
     if position_ids is None:
-        return input_ids, torch.arange(total, device=device).expand(batch, total), None, None
+        return input_ids, torch.arange(total, device=device).expand(batch, total), None
     if batch != 1:
         raise ValueError(f"a packed row has batch size 1, got {batch}")
-    position_ids = position_ids.to(device)
-    cu_seqlens = cu_seqlens_from_position_ids(position_ids[0])
-    return input_ids, position_ids, packed_causal_mask(cu_seqlens, total), cu_seqlens
+    return input_ids, position_ids.to(device), RowLayout.from_position_ids(position_ids)
 
 
 def _full_vocab(out: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
@@ -98,12 +110,13 @@ def logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.
     that is whole on this rank up to tensor, sequence and expert parallelism (see :func:`forward_backward` for
     pipeline and context parallelism).
 
-    ``position_ids`` given: ``input_ids`` is one packed row ([1, S]) and sequences restart at position 0.
+    ``position_ids`` given: ``input_ids`` is one packed row ([1, S]): sequences restart at position 0, and a run
+    continuing a prompt's positions is a completion sharing that prompt (:mod:`.rows`).
     """
     device = next(model.parameters()).device
-    input_ids, position_ids, mask, cu_seqlens = _prepare(input_ids, position_ids, device)
-    with gdn_packing(model, cu_seqlens):
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    input_ids, position_ids, rows = _prepare(input_ids, position_ids, device)
+    with packed_rows(model, rows):
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
     return _full_vocab(out, model)
 
 
@@ -139,10 +152,11 @@ def forward_backward(
     1F1B, or interleaved 1F1B over the rank's virtual stages.
 
     ``input_ids`` [B, S] is split into ``micro_batches`` along the batch (a packed row: B = 1 with its
-    ``position_ids``). On the last pipeline stage ``loss_fn(logits, micro_batch)`` gets each micro-batch's [b, S, V]
-    fp32 logits (full vocabulary, whole sequence) and returns its scalar loss; the gradients are those of the mean
-    over micro-batches. A rank's gradient covers the tokens it ran: sum it over context-parallel ranks and average
-    it over data-parallel replicas (:func:`model_support.core.megatron.lora.reduce_lora_grads`). Every rank takes
+    ``position_ids``, shared prefixes included). On the last pipeline stage ``loss_fn(logits, micro_batch)`` gets
+    each micro-batch's [b, S, V] fp32 logits (full vocabulary, whole sequence) and returns its scalar loss; the
+    gradients are those of the mean over micro-batches. A rank's gradient covers the tokens it ran: sum it over
+    context-parallel ranks and average it over data-parallel replicas
+    (:func:`model_support.core.megatron.lora.reduce_lora_grads`). Every rank takes
     part and gets the :class:`StepOutput`.
     """
     from megatron.core import parallel_state
@@ -173,9 +187,9 @@ def forward_backward(
 
     def step(data: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data)
-        ids, positions, mask, cu_seqlens = _prepare(micro.input_ids, micro.position_ids, device)
-        with gdn_packing(model, cu_seqlens):
-            out = model(input_ids=split_batch(ids), position_ids=split_batch(positions), attention_mask=mask)
+        ids, positions, rows = _prepare(micro.input_ids, micro.position_ids, device)
+        with packed_rows(model, rows):
+            out = model(input_ids=split_batch(ids), position_ids=split_batch(positions), attention_mask=None)
 
         def loss(output: torch.Tensor):
             full = whole_sequence(_full_vocab(output, model))

@@ -24,6 +24,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from model_support.core.megatron.rows import RowLayout
+
 
 class LocalRMSNorm(torch.nn.Module):
     """RMSNorm computing ``norm(x) * weight`` in fp32; unlike megatron-core's torch-norm wrapper it runs under
@@ -72,8 +74,10 @@ def local_norm(config: Any) -> type[LocalRMSNorm] | None:
 class SDPAttention(MegatronModule):
     """Core attention through ``torch.nn.functional.scaled_dot_product_attention`` (megatron layout).
 
-    ``attention_mask`` (boolean, True = masked, broadcastable to [B, H, S, S]) is honoured when given,
-    e.g. the block-diagonal mask of a packed row; without it attention is causal. ``softmax_scale`` is the one
+    ``attention_mask`` (boolean, True = masked, broadcastable to [B, H, S, S]) is honoured when given; without it
+    attention is causal. A packed row's layout (``rows``, set by
+    :func:`model_support.core.megatron.forward.packed_rows`) is attended block by block, never through a [S, S]
+    mask. ``softmax_scale`` is the one
     the parent attention passes (multi-latent attention's includes the yarn mscale), else the config's, else
     1/sqrt(kv_channels). Keys and values are shared by ``heads / key heads`` queries each (GQA); multi-latent
     attention gives one key head per query head.
@@ -96,6 +100,32 @@ class SDPAttention(MegatronModule):
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must hold at least one key, got {window}")
         self.window = window
+        self.rows: RowLayout | None = None  # a packed row's layout, set around a forward
+
+    def _mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """True where a query may not see a key: a later one, or one outside the sliding window."""
+        distance = query_positions[:, None] - key_positions[None, :]
+        outside = distance < 0
+        return outside | (distance >= self.window) if self.window is not None else outside
+
+    def _by_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: RowLayout) -> torch.Tensor:
+        """[B, H, S, D] attention of a packed row block by block: each sequence (or prompt) causally, each
+        completion against its prompt and itself; no block crosses a sequence."""
+        positions = rows.positions.to(q.device)
+        outs = []
+        for group in rows.groups:
+            prompt = group[0]
+            for segment in group:
+                span = slice(segment.start, segment.end)
+                keys = [span] if segment is prompt else [slice(prompt.start, prompt.end), span]
+                key_positions = torch.cat([positions[s] for s in keys])
+                sk, sv = (torch.cat([t[:, :, s] for s in keys], dim=2) for t in (k, v))
+                if self.window is None and segment is prompt:
+                    outs.append(F.scaled_dot_product_attention(q[:, :, span], sk, sv, is_causal=True, scale=self.scale))
+                else:
+                    mask = ~self._mask(positions[span], key_positions)
+                    outs.append(F.scaled_dot_product_attention(q[:, :, span], sk, sv, attn_mask=mask, scale=self.scale))
+        return torch.cat(outs, dim=2)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
         from model_support.core.megatron import context_parallel
@@ -120,11 +150,13 @@ class SDPAttention(MegatronModule):
         if q.shape[1] > k.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if self.rows is not None:
+            if cp_group is not None:
+                raise ValueError("a packed row under context parallelism needs THD attention")
+            out = self._by_segment(q, k, v, self.rows)
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
         if positions is not None:
-            distance = positions[0][:, None] - positions[1][None, :]
-            outside = distance < 0
-            if self.window is not None:
-                outside |= distance >= self.window
+            outside = self._mask(*positions)
             attention_mask = outside if attention_mask is None else attention_mask | outside
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)

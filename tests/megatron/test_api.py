@@ -60,6 +60,19 @@ def test_packed_token_logprobs_equal_separate_runs_and_carry_gradients(qwen35):
     qwen35.module.zero_grad(set_to_none=True)
 
 
+def test_group_logprobs_computes_the_prompt_once_and_equals_each_full_row(qwen35):
+    load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=9, b_std=0.05))
+    prompt, completions = [11, 12, 13, 14, 15, 16, 17], [[21, 22, 23], [31, 32], [41, 42, 43, 44]]
+    with torch.no_grad():
+        group = api.group_logprobs(qwen35, prompt, completions)
+        for completion, rows in zip(completions, group, strict=True):
+            full = api.token_logprobs(qwen35, [prompt + completion])[0]
+            assert rows.shape == (len(completion), full.shape[-1])
+            assert (rows - full[len(prompt) - 1 : -1]).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        api.group_logprobs(qwen35, prompt, [[]])
+
+
 def test_merged_weights_come_in_bounded_buckets(qwen35):
     sizes = [
         sum(t.numel() * t.element_size() for t in b.values()) for b in api.merged_weights(qwen35, bucket_bytes=1 << 20)

@@ -57,6 +57,17 @@ def test_packed_position_ids(megatron_report, handler: str) -> None:
 
 
 @pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_shared_prefix(megatron_report, handler: str) -> None:
+    """The prompt once, three completions: the unshared rows' logits, loss and gradients; the control differs."""
+    result = _result(megatron_report(handler), "shared_prefix")
+    assert result.status is Status.PASS, result.summary
+    m = result.metrics
+    assert (m["tokens"], m["unshared_tokens"]) == (9 + 6 + 4 + 7, 3 * 9 + 6 + 4 + 7)
+    assert m["logits_max_abs_err"] < 1e-4 and m["grad_max_rel_err"] < 1e-4 and m["loss_rel_err"] < 1e-4
+    assert m["control_rel_l2"] > 1e-3
+
+
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
 def test_trainability(megatron_report, handler: str) -> None:
     result = _result(megatron_report(handler), "trainability")
     assert result.status is Status.PASS, result.summary

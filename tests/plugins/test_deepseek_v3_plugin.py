@@ -14,7 +14,14 @@ from tests.helpers import run_cli, run_plugin_tests, within_thresholds
 pytestmark = pytest.mark.slow
 
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-deepseek-v3"
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability", "parallel_parity")
+MEGATRON_STAGES = (
+    "hf_parity",
+    "lora_coverage",
+    "packed_position_ids",
+    "shared_prefix",
+    "trainability",
+    "parallel_parity",
+)
 SERVING_STAGES = (
     "native_vllm_lora",
     "merged_serving",

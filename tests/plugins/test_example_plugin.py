@@ -33,7 +33,7 @@ def test_llama_is_listed_from_its_own_distribution(site: Path):
     assert Path(data["reference_config"]).is_relative_to(site)
 
 
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "trainability")
+MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "shared_prefix", "trainability")
 
 
 def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Path):

@@ -10,6 +10,7 @@ from model_support.validation.stages.native_vllm_lora import NativeVllmLoraStage
 from model_support.validation.stages.packed_position_ids import PackedPositionIdsStage
 from model_support.validation.stages.parallel_parity import ParallelParityStage
 from model_support.validation.stages.rl_trainability import RlTrainabilityStage
+from model_support.validation.stages.shared_prefix import SharedPrefixStage
 from model_support.validation.stages.train_inference_mismatch import TrainInferenceMismatchStage
 from model_support.validation.stages.trainability import TrainabilityStage
 from model_support.validation.stages.weights import WeightsStage
@@ -21,6 +22,7 @@ BUILTIN_STAGES = (
     HfParityStage,
     LoraCoverageStage,
     PackedPositionIdsStage,
+    SharedPrefixStage,
     TrainabilityStage,
     ParallelParityStage,
     NativeVllmLoraStage,
@@ -42,6 +44,7 @@ __all__ = [
     "PackedPositionIdsStage",
     "ParallelParityStage",
     "RlTrainabilityStage",
+    "SharedPrefixStage",
     "TrainInferenceMismatchStage",
     "TrainabilityStage",
     "WeightsStage",

@@ -1,0 +1,124 @@
+"""Stage `shared_prefix`: a prompt packed once with its completions computes what each prompt + completion does."""
+
+from __future__ import annotations
+
+import torch
+
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+
+
+class SharedPrefixStage(Stage):
+    """A GRPO-style row, one prompt and its completions packed as ``[prompt, c1, ..., cG]`` with each completion's
+    position ids continuing the prompt's, through the Megatron model with LoRA: the prompt runs once (attention
+    block by block, Gated DeltaNet layers fanning the prompt's state out to every completion, the convolution
+    seeing the prompt's last tokens). It must compute what each ``[prompt, c_i]`` row computes alone: the prompt's
+    and every completion's logits, the completions' loss (each completion's tokens predicted from the prompt's
+    last position and its own), and every LoRA gradient of that loss. Tolerances as ``packed_position_ids``: fixed
+    in fp32, a multiple of transformers' own rounding distance below it; MoE routers replay the routing the rows
+    took alone. Control: the same tokens with every completion restarting at position 0 (not seeing the prompt)
+    must differ by at least the dtype's effect floor (``control_rel_l2``)."""
+
+    name = "shared_prefix"
+    title = "A prompt packed once with its completions gives the logits, loss and gradients of the unshared rows."
+    order = 52
+    requires = ("hf_parity",)
+    packages = MEGATRON_PACKAGES
+    prompt = 9
+    completions = (6, 4, 7)
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        from model_support.core.megatron.compare import (
+            EFFECT_FLOOR,
+            closeness,
+            recorded_routing,
+            replayed_routing,
+            same_model_tolerances,
+        )
+        from model_support.core.megatron.forward import logits
+        from model_support.core.megatron.lora import load_lora_state, random_lora_state
+        from model_support.core.megatron.rows import RowLayout
+        from model_support.core.megatron.session import LOWP_KEY, megatron_lora, megatron_model, random_tokens
+
+        built = megatron_model(ctx)
+        model, dtype = built.model, built.numerics.dtype
+        megatron_lora(ctx)
+        load_lora_state(model, random_lora_state(model, seed=ctx.seed + 3, b_std=0.05))
+        size = self.prompt
+        prompt = random_tokens(ctx, (1, size), offset=20)
+        completions = [random_tokens(ctx, (1, n), offset=21 + i) for i, n in enumerate(self.completions)]
+        layout = RowLayout.shared_prefix(size, self.completions)
+        row = torch.cat([prompt, *completions], dim=1)
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+        def completion_loss(prompt_last: torch.Tensor, own: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            """Summed cross-entropy of a completion's tokens: the first from the prompt's last position."""
+            predictions = torch.cat([prompt_last[None], own[:-1]])
+            return torch.nn.functional.cross_entropy(predictions, tokens[0].to(own.device), reduction="sum")
+
+        model.zero_grad(set_to_none=True)
+        alone, loss_alone = [], 0.0
+        with recorded_routing(model) as routing:
+            for completion in completions:
+                out = logits(model, torch.cat([prompt, completion], dim=1))[0]
+                loss = completion_loss(out[size - 1], out[size:], completion)
+                loss.backward()
+                loss_alone += loss.item()
+                alone.append(out.detach())
+        alone_grads = {n: p.grad.clone() for n, p in params.items()}
+        # The shared row's routing: the prompt's tokens as the first row routed them, then each completion's.
+        shared_routing = [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing]
+        reference = torch.cat([alone[0][:size], *(out[size:] for out in alone)])
+
+        model.zero_grad(set_to_none=True)
+        with replayed_routing(model, shared_routing, batch=1):
+            shared = logits(model, row, layout.position_ids())[0]
+            loss_shared = sum(
+                completion_loss(shared[size - 1], shared[s.start : s.end], c)
+                for s, c in zip(layout.groups[0][1:], completions, strict=True)
+            )
+            loss_shared.backward()
+            shared_grads = {n: p.grad.clone() for n, p in params.items()}
+            model.zero_grad(set_to_none=True)
+            restarting = torch.cat([torch.arange(size), *(torch.arange(n) for n in self.completions)])[None]
+            with torch.no_grad():
+                control = logits(model, row, restarting)[0]
+
+        grads = [closeness(shared_grads[n], alone_grads[n]) for n in params]
+        every_grad = closeness(
+            torch.cat([shared_grads[n].flatten() for n in params]),
+            torch.cat([alone_grads[n].flatten() for n in params]),
+        )
+        metrics = {
+            "dtype": built.numerics.dtype_name,
+            "prompt_tokens": size,
+            "completions": len(self.completions),
+            "tokens": row.shape[1],
+            "unshared_tokens": sum(size + n for n in self.completions),
+            **closeness(shared.detach(), reference, prefix="logits_"),
+            "loss_rel_err": abs(loss_shared.item() - loss_alone) / abs(loss_alone),
+            "grad_max_rel_err": max(g["rel_err"] for g in grads),
+            "grad_mean_abs_pct": every_grad["mean_abs_pct"],
+            "grad_worst_param_mean_abs_pct": max(g["mean_abs_pct"] for g in grads),
+            "grad_params": len(params),
+            "control_rel_l2": closeness(control[size:], reference[size:])["rel_l2"],
+        }
+        thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
+        # The loss is a sum of per-token functions of the logits: held to the logits' relative limit.
+        thresholds["loss_rel_err"] = thresholds.get("logits_rel_l2", thresholds.get("logits_rel_err", 1e-4))
+        floor = EFFECT_FLOOR[dtype]
+        if not metrics["control_rel_l2"] >= floor:
+            return self.failed(
+                f"control_rel_l2={metrics['control_rel_l2']:.3g} < {floor}: the comparison cannot tell whether the "
+                "completions see the prompt",
+                metrics=metrics,
+                thresholds=thresholds,
+            )
+        return self.judge(
+            metrics,
+            thresholds,
+            f"prompt {size} + {len(self.completions)} completions in {row.shape[1]} tokens (unshared "
+            f"{metrics['unshared_tokens']}): logits rel L2 {metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
+            ctx=ctx,
+        )
