@@ -193,11 +193,11 @@ def _completion_conv_restarts() -> AbstractContextManager[Any]:
 
     conv = gdn.causal_conv
 
-    def restarting(x: torch.Tensor, weight: torch.Tensor, rows: RowLayout | None) -> torch.Tensor:
+    def restarting(x: torch.Tensor, weight: torch.Tensor, rows: RowLayout | None, bias: Any = None) -> torch.Tensor:
         if rows is None or not rows.shared:
-            return conv(x, weight, rows)
+            return conv(x, weight, rows, bias)
         plain = RowLayout(tuple((segment,) for segment in rows.segments), rows.length)
-        return conv(x, weight, plain)
+        return conv(x, weight, plain, bias)
 
     return mock.patch.object(gdn, "causal_conv", restarting)
 

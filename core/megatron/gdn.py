@@ -107,14 +107,6 @@ class RoutedGatedDeltaNet(GatedDeltaNet):
             backend=self.kernel,
         )
 
-    @property
-    def k_dim(self) -> int:
-        return self.key_head_dim
-
-    @property
-    def v_dim(self) -> int:
-        return self.value_head_dim
-
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any, **kwargs: Any):
         if self.rows is not None and self.rows.shared:
             # megatron-core's forward restarts the convolution at every sequence; a completion continues its
@@ -126,7 +118,9 @@ class RoutedGatedDeltaNet(GatedDeltaNet):
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, rows: RowLayout | None) -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, rows: RowLayout | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Depthwise causal convolution + SiLU over [B, S, C]: zero left-padding at every sequence start, a completion's
     last ``width - 1`` inputs of its prompt before it."""
     width = weight.shape[-1]
@@ -140,14 +134,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, rows: RowLayout | None) -
     for body, left in pieces:
         context = body if left is None else torch.cat([left, body], dim=1)
         padded = F.pad(context.transpose(1, 2), (width - 1 - (context.shape[1] - body.shape[1]), 0))
-        y = F.conv1d(padded, weight, groups=body.shape[-1])
+        y = F.conv1d(padded, weight, bias, groups=body.shape[-1])
         outs.append(F.silu(y).transpose(1, 2))
     return torch.cat(outs, dim=1)
 
 
 def gdn_forward(layer: Any, hidden_states: torch.Tensor, rows: RowLayout | None, kernel: str | None = None):
     """The Gated DeltaNet token mixer of ``layer`` (its ``in_proj``, ``conv1d``, ``A_log``, ``dt_bias``,
-    ``out_norm``, ``out_proj``, ``sections`` and head sizes ``k_dim`` / ``v_dim``) over [S, B, H] hidden states,
+    ``out_norm``, ``out_proj``, ``sections`` and head sizes ``key_head_dim`` / ``value_head_dim``, as
+    megatron-core's ``GatedDeltaNet`` names them) over [S, B, H] hidden states,
     for plain rows or one packed row's ``rows``; the recurrence on ``kernel`` (None: the device's default)."""
     from megatron.core.ssm.gated_delta_net import get_parameter_local_cp, tensor_a2a_cp2hp, tensor_a2a_hp2cp
 
@@ -168,15 +163,15 @@ def gdn_forward(layer: Any, hidden_states: torch.Tensor, rows: RowLayout | None,
     mixed = mixed.transpose(0, 1)
     batch, seq, _ = mixed.shape
     q, k, v, z, b, a = torch.split(mixed, sections, dim=-1)
-    qkv = causal_conv(torch.cat([q, k, v], dim=-1), conv, rows)
+    qkv = causal_conv(torch.cat([q, k, v], dim=-1), conv, rows, layer.conv1d.bias)
     q, k, v = torch.split(qkv, sections[:3], dim=-1)
-    q = q.reshape(batch, seq, -1, layer.k_dim)
-    k = k.reshape(batch, seq, -1, layer.k_dim)
-    v = v.reshape(batch, seq, -1, layer.v_dim)
+    q = q.reshape(batch, seq, -1, layer.key_head_dim)
+    k = k.reshape(batch, seq, -1, layer.key_head_dim)
+    v = v.reshape(batch, seq, -1, layer.value_head_dim)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     core = gated_delta_rule(q, k, v, g, b.sigmoid(), rows, kernel)
-    normed = layer.out_norm(core.reshape(-1, layer.v_dim).float())
-    gated = normed * F.silu(z.reshape(-1, layer.v_dim).float())
+    normed = layer.out_norm(core.reshape(-1, layer.value_head_dim).float())
+    gated = normed * F.silu(z.reshape(-1, layer.value_head_dim).float())
     gated = gated.to(hidden_states.dtype).reshape(batch, seq, -1).transpose(0, 1).contiguous()
     if cp_group is not None:
         gated = tensor_a2a_hp2cp(gated, seq_dim=0, head_dim=-1, cp_group=cp_group)
@@ -192,10 +187,10 @@ class LocalGatedDeltaNet(MegatronModule):
 
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
         if self.k_heads % self.tp or self.v_heads % self.tp:
             raise ValueError(f"GDN heads ({self.k_heads} key, {self.v_heads} value) do not split over TP={self.tp}")
-        qk, vv = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        qk, vv = self.k_heads * self.key_head_dim, self.v_heads * self.value_head_dim
         self.sections = [qk // self.tp, qk // self.tp, vv // self.tp, vv // self.tp]
         self.sections += [self.v_heads // self.tp] * 2
         self.in_proj = ColumnParallelLinear(
@@ -217,7 +212,7 @@ class LocalGatedDeltaNet(MegatronModule):
         for param in (self.conv1d.weight, self.A_log, self.dt_bias):
             param.tensor_model_parallel = True
             param.partition_dim = 0
-        self.out_norm = ZeroCenteredRMSNorm(config, self.v_dim, eps=config.layernorm_epsilon)
+        self.out_norm = ZeroCenteredRMSNorm(config, self.value_head_dim, eps=config.layernorm_epsilon)
         self.out_proj = RowParallelLinear(
             vv,
             config.hidden_size,
