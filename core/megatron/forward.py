@@ -36,10 +36,14 @@ def _rotary_at(module: torch.nn.Module, positions: torch.Tensor) -> Callable[...
     """A rotary embedding's forward that gives each token the embedding of its true position."""
     computed = module.forward
 
+    def at_positions(emb: torch.Tensor) -> torch.Tensor:
+        # [S, 1, 1, D], or a stack of them ([N, S, 1, 1, D]: Gemma 3's local and global embeddings)
+        return emb.index_select(emb.dim() - 4, positions)
+
     def forward(_max_seq_len: int, *args: object, **kwargs: object) -> object:
         out = computed(int(positions.max()) + 1, *args, **kwargs)
-        # [S, 1, 1, D] (multi-latent attention's yarn embedding also returns its mscale)
-        return (out[0][positions], *out[1:]) if isinstance(out, tuple) else out[positions]
+        # multi-latent attention's yarn embedding also returns its mscale
+        return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
 
     return forward
 
@@ -53,6 +57,9 @@ def packed_rows(model: torch.nn.Module, rows: RowLayout | None) -> Iterator[None
 
     layers = [*_attention_cores(model), *_gdn_layers(model)]
     rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)] if rows and rows.shared else []
+    # Only the outermost: an embedding built from others (Gemma 3's) calls their forward itself.
+    inner = {id(child) for m in rotary for child in m.modules() if child is not m}
+    rotary = [m for m in rotary if id(m) not in inner]
     for layer in layers:
         layer.rows = rows
     for module in rotary:
