@@ -70,6 +70,19 @@ def tolerances(
     return {f"{prefix}{k}": LOWP_TOLERANCE_FACTOR * max(reference_lowp[k], floor) for k, floor in LOWP_FLOOR.items()}
 
 
+def gradient_closeness(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Two runs' gradients of the same parameters: the worst relative error of any one, the mean-abs-percent of all
+    of them as one vector and of the worst parameter, and how many there are."""
+    per_param = [closeness(ours[name], ref[name]) for name in ref]
+    every = closeness(torch.cat([ours[n].flatten() for n in ref]), torch.cat([ref[n].flatten() for n in ref]))
+    return {
+        "grad_max_rel_err": max(g["rel_err"] for g in per_param),
+        "grad_mean_abs_pct": every["mean_abs_pct"],
+        "grad_worst_param_mean_abs_pct": max(g["mean_abs_pct"] for g in per_param),
+        "grad_params": len(ref),
+    }
+
+
 def same_model_tolerances(dtype: torch.dtype, reference_lowp: dict[str, float] | None = None) -> dict[str, float]:
     """Tolerances between two runs of one model (see ``SAME_MODEL_FP32_TOLERANCES``).
 

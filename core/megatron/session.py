@@ -68,6 +68,17 @@ def megatron_lora(ctx: Any) -> LoraReport:
     return model.lora or api.apply_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA)
 
 
+def with_random_lora(ctx: Any, offset: int) -> MegatronModel:
+    """The run's model with LoRA on, loaded with a random non-zero adapter (seed: the run's + ``offset``), so a
+    comparison sees the adapter and gradients reach every LoRA factor."""
+    from model_support.core.megatron.lora import load_lora_state, random_lora_state
+
+    built = megatron_model(ctx)
+    megatron_lora(ctx)
+    load_lora_state(built.model, random_lora_state(built.model, seed=ctx.seed + offset, b_std=0.05))
+    return built
+
+
 def random_tokens(ctx: Any, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
     """Token ids drawn from the model's vocabulary with the run's seed."""
     from model_support.core.layout import text_config

@@ -9,19 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, run_plugin_tests, within_thresholds
+from tests.helpers import MEGATRON_STAGES, run_cli, run_plugin_tests, within_thresholds
 
 pytestmark = pytest.mark.slow
 
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-deepseek-v3"
-MEGATRON_STAGES = (
-    "hf_parity",
-    "lora_coverage",
-    "packed_position_ids",
-    "shared_prefix",
-    "trainability",
-    "parallel_parity",
-)
 SERVING_STAGES = (
     "native_vllm_lora",
     "merged_serving",

@@ -7,18 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, run_plugin_tests, within_thresholds
+from tests.helpers import MEGATRON_STAGES, run_cli, run_plugin_tests, within_thresholds
 
 pytestmark = pytest.mark.slow
 OLMOE_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
-MEGATRON_STAGES = (
-    "hf_parity",
-    "lora_coverage",
-    "packed_position_ids",
-    "shared_prefix",
-    "trainability",
-    "parallel_parity",
-)
 SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch")
 
 

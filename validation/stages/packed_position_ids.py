@@ -38,18 +38,16 @@ class PackedPositionIdsStage(Stage):
         from model_support.core.megatron.compare import (
             EFFECT_FLOOR,
             closeness,
+            gradient_closeness,
             recorded_routing,
             replayed_routing,
             same_model_tolerances,
         )
         from model_support.core.megatron.forward import logits
-        from model_support.core.megatron.lora import load_lora_state, random_lora_state
-        from model_support.core.megatron.session import LOWP_KEY, megatron_lora, megatron_model, random_tokens
+        from model_support.core.megatron.session import LOWP_KEY, random_tokens, with_random_lora
 
-        built = megatron_model(ctx)
+        built = with_random_lora(ctx, offset=2)
         model, dtype = built.model, built.numerics.dtype
-        megatron_lora(ctx)
-        load_lora_state(model, random_lora_state(model, seed=ctx.seed + 2, b_std=0.05))
         seqs = [random_tokens(ctx, (1, n), offset=10 + i) for i, n in enumerate(self.lengths)]
         row = torch.cat(seqs, dim=1)
         positions = torch.cat([torch.arange(n) for n in self.lengths])[None]
@@ -79,11 +77,6 @@ class PackedPositionIdsStage(Stage):
                 unpacked = logits(model, row)
 
         separate = torch.cat(alone, dim=1)
-        grads = [closeness(packed_grads[n], alone_grads[n]) for n in params]
-        every_grad = closeness(
-            torch.cat([packed_grads[n].flatten() for n in params]),
-            torch.cat([alone_grads[n].flatten() for n in params]),
-        )
         metrics = {
             "dtype": built.numerics.dtype_name,
             "sequences": len(self.lengths),
@@ -91,10 +84,7 @@ class PackedPositionIdsStage(Stage):
             "gdn_layers": len(ctx.layout.gdn_layers),
             "attention_layers": len(ctx.layout.attention_layers),
             **closeness(packed.detach(), separate, prefix="logits_"),
-            "grad_max_rel_err": max(g["rel_err"] for g in grads),
-            "grad_mean_abs_pct": every_grad["mean_abs_pct"],
-            "grad_worst_param_mean_abs_pct": max(g["mean_abs_pct"] for g in grads),
-            "grad_params": len(params),
+            **gradient_closeness(packed_grads, alone_grads),
             "leak_control_rel_l2": closeness(unpacked, separate)["rel_l2"],
         }
         thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))

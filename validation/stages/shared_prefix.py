@@ -32,19 +32,17 @@ class SharedPrefixStage(Stage):
         from model_support.core.megatron.compare import (
             EFFECT_FLOOR,
             closeness,
+            gradient_closeness,
             recorded_routing,
             replayed_routing,
             same_model_tolerances,
         )
         from model_support.core.megatron.forward import logits
-        from model_support.core.megatron.lora import load_lora_state, random_lora_state
         from model_support.core.megatron.rows import RowLayout
-        from model_support.core.megatron.session import LOWP_KEY, megatron_lora, megatron_model, random_tokens
+        from model_support.core.megatron.session import LOWP_KEY, random_tokens, with_random_lora
 
-        built = megatron_model(ctx)
+        built = with_random_lora(ctx, offset=3)
         model, dtype = built.model, built.numerics.dtype
-        megatron_lora(ctx)
-        load_lora_state(model, random_lora_state(model, seed=ctx.seed + 3, b_std=0.05))
         size = self.prompt
         prompt = random_tokens(ctx, (1, size), offset=20)
         completions = [random_tokens(ctx, (1, n), offset=21 + i) for i, n in enumerate(self.completions)]
@@ -85,11 +83,6 @@ class SharedPrefixStage(Stage):
             with torch.no_grad():
                 control = logits(model, row, restarting)[0]
 
-        grads = [closeness(shared_grads[n], alone_grads[n]) for n in params]
-        every_grad = closeness(
-            torch.cat([shared_grads[n].flatten() for n in params]),
-            torch.cat([alone_grads[n].flatten() for n in params]),
-        )
         metrics = {
             "dtype": built.numerics.dtype_name,
             "prompt_tokens": size,
@@ -98,10 +91,7 @@ class SharedPrefixStage(Stage):
             "unshared_tokens": sum(size + n for n in self.completions),
             **closeness(shared.detach(), reference, prefix="logits_"),
             "loss_rel_err": abs(loss_shared.item() - loss_alone) / abs(loss_alone),
-            "grad_max_rel_err": max(g["rel_err"] for g in grads),
-            "grad_mean_abs_pct": every_grad["mean_abs_pct"],
-            "grad_worst_param_mean_abs_pct": max(g["mean_abs_pct"] for g in grads),
-            "grad_params": len(params),
+            **gradient_closeness(shared_grads, alone_grads),
             "control_rel_l2": closeness(control[size:], reference[size:])["rel_l2"],
         }
         thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
