@@ -104,8 +104,3 @@ class RowLayout:
     def position_ids(self) -> torch.Tensor:
         """[1, S] position ids that describe this layout."""
         return self.positions[None]
-
-
-def row_layout(position_ids: torch.Tensor | None) -> RowLayout | None:
-    """The layout of one packed row, or None for plain rows (no position ids)."""
-    return None if position_ids is None else RowLayout.from_position_ids(position_ids)
