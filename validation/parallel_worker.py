@@ -6,9 +6,11 @@ HANDLER single,tp2,...``. For each layout the job builds the model through the t
 runs one forward and backward through ``api.forward_backward`` (megatron-core's schedule for the layout, two
 micro-batches), reduces the gradients as a trainer does (``api.reduce_lora_grads``), takes one SGD step on the LoRA,
 and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, each router's top-k expert sets (every
-token, in sequence order), the PEFT adapter the handler's codec exports before and after the step, and the merged
-HF weights after it (``api.merged_weights``). ``single`` (one rank's model, the rest data parallel) is the oracle
-the stage compares every other layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error``.
+token, in sequence order), the PEFT adapter the handler's codec exports before and after the step, the merged HF
+weights after it (``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions
+each; not under context parallelism, which needs THD attention for packed rows). ``single`` (one rank's model, the
+rest data parallel) is the oracle the stage compares every other layout with. A rank's error goes to
+``OUT/<layout>.rank<R>.error``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from model_support.core.megatron.context_parallel import whole_sequence
 from model_support.core.megatron.dist import ParallelLayout
 from model_support.core.megatron.forward import MicroBatch
 from model_support.core.megatron.lora import load_lora_state, lora_state, random_lora_state
+from model_support.core.megatron.rows import RowLayout
 from model_support.core.registry import load_registry
 from model_support.validation.selftest import MUTATION_ENV, injected
 
@@ -36,6 +39,7 @@ SEED = 3
 LR = 0.5
 TOKENS = (2, 16)  # batch, sequence (a multiple of every tensor- and context-parallel split tried)
 MICRO_BATCHES = 2  # more than one, so a pipeline schedule interleaves them
+SHARED_ROW = (10, (6, 4, 6))  # a prompt and its completions in one row (26 tokens: even, for TP)
 
 
 def _layout(name: str) -> ParallelLayout:
@@ -125,8 +129,24 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> 
     }
     topk = _stage_results(topk)
     merged = {name: tensor for bucket in api.merged_weights(model) for name, tensor in bucket.items()}
+    shared = {}
+    if layout.context_parallel == 1:  # a packed row under context parallelism needs THD attention
+        # One row per micro-batch (the interleaved schedule needs as many micro-batches as pipeline ranks).
+        rows = RowLayout.shared_prefix(*SHARED_ROW)
+        tokens = torch.randint(0, 500, (MICRO_BATCHES, rows.length), generator=torch.Generator().manual_seed(SEED + 3))
+        positions = rows.position_ids().expand(MICRO_BATCHES, -1)
+        out = api.forward_backward(
+            model,
+            tokens,
+            _next_token_loss,
+            position_ids=positions,
+            micro_batches=MICRO_BATCHES,
+            forward_only=True,
+            keep_logits=True,
+        )
+        shared = {"shared_logits": out.logits}
     if dist.get_rank() == 0:
-        tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1)}
+        tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}
         tensors |= topk | {f"merged.{k}": v for k, v in merged.items()}
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"{name}.safetensors"))
