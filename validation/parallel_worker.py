@@ -70,13 +70,10 @@ def _router_topk(chunks: list[torch.nn.Module]) -> tuple[dict[str, list[torch.Te
 def _whole_sequence(local: torch.Tensor, rows: int, sequence_parallel: bool) -> torch.Tensor:
     """One router call's [tokens, k] (sequence-major, this rank's part of the sequence) -> [rows, S, k], every token
     in order: gathered over the tensor-parallel sequence shards, then over context-parallel ranks."""
-    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     if sequence_parallel:
-        group = parallel_state.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(local) for _ in range(group.size())]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        local = torch.cat(parts)
+        local = gather_from_sequence_parallel_region(local)
     per_row = local.reshape(-1, rows, local.shape[-1]).transpose(0, 1)
     return whole_sequence(per_row)
 

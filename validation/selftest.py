@@ -183,7 +183,9 @@ def _gdn_state_not_reset() -> AbstractContextManager[Any]:
 
 def _completion_rope_at_row_index() -> AbstractContextManager[Any]:
     """Shared-prefix rows: rotary embeddings by index in the row, not by the completion's true position."""
-    return mock.patch("model_support.core.megatron.forward._rotary_at", lambda module, positions: module.forward)
+    return mock.patch(
+        "model_support.core.megatron.forward._rotary_at", lambda module, positions, length: module.forward
+    )
 
 
 def _completion_conv_restarts() -> AbstractContextManager[Any]:

@@ -105,6 +105,13 @@ class Stage(ABC):
     def skipped(self, summary: str, **kw: Any) -> StageResult:
         return StageResult(self.name, Status.SKIP, summary, **kw)
 
+    def blind(self, metric: str, value: float, floor: float, why: str, **kw: Any) -> StageResult | None:
+        """A failure when the control ``metric`` is below ``floor`` (NaN included): the comparison could not see the
+        bug it is there for, so its pass would prove nothing (``why`` says which). None when the control holds."""
+        if value >= floor:
+            return None
+        return self.failed(f"{metric}={value:.3g} < {floor}: {why}", **kw)
+
     def judge(
         self,
         metrics: dict[str, Any],

@@ -209,12 +209,6 @@ class MegatronModel:
             )
         return self.chunks[0]
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under the single-rank model's names (see :func:`global_name`)."""
-        for chunk in self.chunks:
-            for name, param in chunk.named_parameters():
-                yield global_name(chunk, name), param
-
 
 def text_architecture(config: Any) -> str:
     arch = (getattr(config, "architectures", None) or [""])[0]

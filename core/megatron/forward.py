@@ -32,8 +32,9 @@ def _gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GDN_MODULES)]
 
 
-def _rotary_at(module: torch.nn.Module, positions: torch.Tensor) -> Callable[..., object]:
-    """A rotary embedding's forward that gives each token the embedding of its true position."""
+def _rotary_at(module: torch.nn.Module, positions: torch.Tensor, length: int) -> Callable[..., object]:
+    """A rotary embedding's forward that gives each token the embedding of its true position (``length``: one
+    past the largest)."""
     computed = module.forward
 
     def at_positions(emb: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def _rotary_at(module: torch.nn.Module, positions: torch.Tensor) -> Callable[...
         return emb.index_select(emb.dim() - 4, positions)
 
     def forward(_max_seq_len: int, *args: object, **kwargs: object) -> object:
-        out = computed(int(positions.max()) + 1, *args, **kwargs)
+        out = computed(length, *args, **kwargs)
         # multi-latent attention's yarn embedding also returns its mscale
         return (at_positions(out[0]), *out[1:]) if isinstance(out, tuple) else at_positions(out)
 
@@ -63,7 +64,8 @@ def packed_rows(model: torch.nn.Module, rows: RowLayout | None) -> Iterator[None
     for layer in layers:
         layer.rows = rows
     for module in rotary:
-        module.forward = _rotary_at(module, rows.positions.to(next(model.parameters()).device))
+        positions = rows.positions_on(next(model.parameters()).device)
+        module.forward = _rotary_at(module, positions, int(rows.positions.max()) + 1)
     try:
         yield
     finally:

@@ -52,13 +52,12 @@ def gated_delta_rule(
         )
         return out
     outs = []
-    for group in rows.groups:
-        first = group[0].start
-        span = [t[:, first : group[-1].end] for t in (q, k, v, g, beta)]
+    for index, group in enumerate(rows.groups):
+        span = [t[:, group[0].start : group[-1].end] for t in (q, k, v, g, beta)]
         if len(group) == 1:
             out, _ = chunk_gated_delta_rule(*span, use_qk_l2norm=True, backend=backend)
         else:
-            cu_seqlens = torch.tensor([0, *(s.end - first for s in group)], dtype=torch.int32, device=q.device)
+            cu_seqlens = rows.group_cu_seqlens(index, q.device)
             out, _ = packed_shared_prefix_gated_delta_rule(*span, cu_seqlens, use_qk_l2norm=True, backend=backend)
         outs.append(out)
     return torch.cat(outs, dim=1)

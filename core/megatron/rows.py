@@ -15,7 +15,7 @@ seeing the prompt's last tokens before each completion; rotary embeddings take e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -40,6 +40,10 @@ class RowLayout:
 
     groups: tuple[tuple[Segment, ...], ...]
     length: int
+    # Tensors of the layout moved to a device once per row, not once per layer that reads them.
+    _on_device: dict[tuple[str, torch.device], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> RowLayout:
@@ -91,10 +95,24 @@ class RowLayout:
         """Whether some group has completions (else every segment is a sequence of its own)."""
         return any(len(group) > 1 for group in self.groups)
 
+    def _on(self, name: str, device: torch.device, values: list[int]) -> torch.Tensor:
+        key = (name, torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = torch.tensor(values, dtype=torch.int32).to(device)
+        return self._on_device[key]
+
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
         """int32 boundaries of every segment."""
-        bounds = [0, *(segment.end for segment in self.segments)]
-        return torch.tensor(bounds, dtype=torch.int32, device=device)
+        return self._on("cu_seqlens", device, [0, *(segment.end for segment in self.segments)])
+
+    def group_cu_seqlens(self, index: int, device: torch.device) -> torch.Tensor:
+        """int32 boundaries of group ``index``'s segments, from its first token."""
+        group = self.groups[index]
+        return self._on(f"group{index}", device, [0, *(s.end - group[0].start for s in group)])
+
+    def positions_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`positions` on ``device``."""
+        return self._on("positions", device, self.positions.tolist())
 
     @cached_property
     def positions(self) -> torch.Tensor:

@@ -111,7 +111,7 @@ class SDPAttention(MegatronModule):
     def _by_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: RowLayout) -> torch.Tensor:
         """[B, H, S, D] attention of a packed row block by block: each sequence (or prompt) causally, each
         completion against its prompt and itself; no block crosses a sequence."""
-        positions = rows.positions.to(q.device)
+        positions = rows.positions_on(q.device)
         outs = []
         for group in rows.groups:
             prompt = group[0]

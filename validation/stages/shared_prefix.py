@@ -97,15 +97,11 @@ class SharedPrefixStage(Stage):
         thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
         # The loss is a sum of per-token functions of the logits: held to the logits' relative limit.
         thresholds["loss_rel_err"] = thresholds.get("logits_rel_l2", thresholds.get("logits_rel_err", 1e-4))
-        floor = EFFECT_FLOOR[dtype]
-        if not metrics["control_rel_l2"] >= floor:
-            return self.failed(
-                f"control_rel_l2={metrics['control_rel_l2']:.3g} < {floor}: the comparison cannot tell whether the "
-                "completions see the prompt",
-                metrics=metrics,
-                thresholds=thresholds,
-            )
-        return self.judge(
+        why = "the comparison cannot tell whether the completions see the prompt"
+        control = metrics["control_rel_l2"]
+        return self.blind(
+            "control_rel_l2", control, EFFECT_FLOOR[dtype], why, metrics=metrics, thresholds=thresholds
+        ) or self.judge(
             metrics,
             thresholds,
             f"prompt {size} + {len(self.completions)} completions in {row.shape[1]} tokens (unshared "
