@@ -9,19 +9,25 @@ operands instead of transposing an accumulator.
 
 The composition follows fla 0.6.x (``fla.ops.gated_delta_rule.chunk``); :mod:`backend` only picks
 this backend for those versions, and the GPU benchmark checks it against the float64 recurrence.
+fla's host functions are not called: each is reduced here to its allocations and one launch of its
+kernel through :class:`~model_support.kernels._fla_launch.TunedKernel`, which skips fla's backend
+dispatch, input guards and autotuner wrappers once a kernel is tuned (the host's cost of a step, not
+its GPU work, is what bounds a shared-prefix step; docs/benchmarks.md).
 fla keeps the cumulative decay in log2 units (``exp2``); the kernel below uses the same convention
 so its ``dg`` is what fla's own kernel returns.
 """
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
+from model_support.kernels._fla_launch import TunedKernel
 from model_support.kernels._memo import last_call_by_identity
 
 CHUNK = 64
@@ -119,6 +125,9 @@ def _dqkwg_kernel(
     tl.store(dg + tv_hv, b_dgv, mask=m_t)
 
 
+_DQKWG = TunedKernel(_dqkwg_kernel)
+
+
 def chunk_bwd_dqkwg(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,16 +153,50 @@ def chunk_bwd_dqkwg(
     dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     block_k = max(16, triton.next_power_of_2(k_dim))
     block_v = min(64, max(16, triton.next_power_of_2(v_dim)))
-    grid = (chunk_indices.shape[0], v_heads)
-    _dqkwg_kernel[grid](
-        q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_indices, scale, total,
-        H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK, BK=block_k, BV=block_v,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    _DQKWG(
+        (chunk_indices.shape[0], v_heads), {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+        q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
+        BK=block_k, BV=block_v,
     )  # fmt: skip
     if heads != v_heads:
         dq = dq.view(1, total, heads, v_heads // heads, k_dim).sum(3)
         dk = dk.view(1, total, heads, v_heads // heads, k_dim).sum(3)
     return dq, dk, dw, dg
+
+
+@functools.cache
+def _fla() -> SimpleNamespace:
+    """fla's kernels as :class:`TunedKernel` (fla is imported on first use: it is optional) and the block
+    sizes fla's host functions derive from the GPU's shared memory."""
+    from fla.modules.norm.l2norm import l2norm_bwd_kernel, l2norm_fwd_kernel
+    from fla.ops.common.chunk_delta_h import (
+        chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64,
+        chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
+    )
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dv_local, chunk_fwd_kernel_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd_kernel, recompute_w_u_fwd_kernel
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.cumsum import chunk_local_cumsum_scalar_kernel
+    from fla.utils import check_shared_mem
+
+    return SimpleNamespace(
+        l2norm_fwd=TunedKernel(l2norm_fwd_kernel),
+        l2norm_bwd=TunedKernel(l2norm_bwd_kernel),
+        cumsum=TunedKernel(chunk_local_cumsum_scalar_kernel),
+        kkt_solve=TunedKernel(chunk_gated_delta_rule_fwd_kkt_solve_kernel),
+        w_u=TunedKernel(recompute_w_u_fwd_kernel),
+        fwd_h=TunedKernel(chunk_gated_delta_rule_fwd_kernel_h_blockdim64),
+        fwd_o=TunedKernel(chunk_fwd_kernel_o),
+        dv_local=TunedKernel(chunk_bwd_kernel_dv_local),
+        bwd_dhu=TunedKernel(chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64),
+        wy_bwd=TunedKernel(prepare_wy_repr_bwd_kernel),
+        rcp_ln2=RCP_LN2,
+        # As fla 0.6's chunk_bwd_dv_local and prepare_wy_repr_bwd choose their tiles (device 0, as fla).
+        dv_local_tile=128 if check_shared_mem("hopper") else 64 if check_shared_mem("ada") else 32,
+        wy_bwd_tile=64 if check_shared_mem() else 32,
+    )
 
 
 class _Phase(NamedTuple):
@@ -169,74 +212,186 @@ class _Phase(NamedTuple):
     """A shared prompt's chunks set this launch's pace: it runs with :data:`PROMPT_PHASE_CONFIG`."""
 
 
-_UNFIT: set[tuple[str, int, torch.dtype, tuple[int, int, int]]] = set()
-"""(kernel, K, input dtype, setting) whose launch asked for more shared memory than the GPU has."""
+class _Index(NamedTuple):
+    """Everything derived from one ``cu_seqlens``: fla's chunk indices and how the state recurrence runs:
+    ``phases`` one after another (forward; reversed in the backward), or every sequence ``together`` in one
+    launch once all initial states are known (the backward's recomputation of the forward's states)."""
 
-
-def _launch(kernel: Any, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -> None:
-    """Launch one of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence,
-    value head and value block), with :data:`PROMPT_PHASE_CONFIG` where a prompt sets the pace, else
-    through fla's autotuner.
-
-    A setting's shared memory grows with the key head size and the input's element size (float32
-    inputs need twice bfloat16's); where it does not fit, Triton refuses the launch before it runs,
-    and that kernel falls back to the autotuner, which skips what does not fit.
-    """
-    n_seq = phase.cu_seqlens.numel() - 1
-    args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
-    jit = kernel.fn.fn
-    config = PROMPT_PHASE_CONFIG if phase.prompt_paced else None
-    unfit_key = (jit.__name__, args["K"], args["k"].dtype, config)
-    if config is not None and unfit_key not in _UNFIT:
-        block_v, warps, stages = config
-        flags = {name: rule(args) for name, rule in kernel.values.items()}  # fla's triton.heuristics
-        grid = (triton.cdiv(v_dim, block_v) * n_seq * v_heads,)
-        try:
-            jit[grid](**args, **flags, BV=block_v, num_warps=warps, num_stages=stages)
-            return
-        except OutOfResources:
-            _UNFIT.add(unfit_key)
-    kernel[lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)](**args)
-
-
-class _Recurrence(NamedTuple):
-    """How the state recurrence runs: ``phases`` one after another (forward; reversed in the backward),
-    or every sequence ``together`` in one launch once all initial states are known (the backward's
-    recomputation of the forward's states)."""
-
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
     phases: tuple[_Phase, ...]
     together: _Phase
 
+    @property
+    def n_chunks(self) -> int:
+        return self.chunk_indices.shape[0]
+
 
 @last_call_by_identity
-def _recurrence(cu: torch.Tensor, shared_prompt: bool) -> _Recurrence:
+def _index(cu: torch.Tensor, shared_prompt: bool) -> _Index:
     """All sequences in one phase, or (prompt, completions) for a shared prompt.
 
     With ``shared_prompt``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
     completions start from the prompt's final state, so in the forward their recurrence runs after the
-    prompt's. Everything here stays on the device (no host sync), and is built once per ``cu`` tensor.
+    prompt's. Built once per ``cu`` tensor (fla's chunk indices read the sequence lengths on the host).
     """
+    from fla.ops.utils.index import prepare_chunk_indices
+
     chunk_counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat([cu.new_zeros(1), chunk_counts.cumsum(0)])
+    chunk_indices = prepare_chunk_indices(cu, CHUNK)
     if not shared_prompt:
         whole = _Phase(cu, offsets)
-        return _Recurrence((whole,), whole)
+        return _Index(cu, chunk_indices, (whole,), whole)
     # The prompt's chunks set the pace whenever it runs, alone or beside its completions.
     prompt = _Phase(cu[:2], offsets[:2], prompt_paced=True)
-    return _Recurrence((prompt, _Phase(cu[1:], offsets[1:])), _Phase(cu, offsets, prompt_paced=True))
+    together = _Phase(cu, offsets, prompt_paced=True)
+    return _Index(cu, chunk_indices, (prompt, _Phase(cu[1:], offsets[1:])), together)
 
 
-def _initial_states(
-    h0: torch.Tensor | None, k: torch.Tensor, u: torch.Tensor, recurrence: _Recurrence
-) -> torch.Tensor | None:
+# fla 0.6's host functions, each reduced to its allocations and its launch (fla.modules.norm.l2norm,
+# fla.ops.utils.cumsum, fla.ops.gated_delta_rule.chunk_fwd and wy_fast, fla.ops.common.chunk_o), for
+# packed B = 1 input with 64-token chunks on a GPU where the fused kkt + solve kernel runs.
+
+
+def _l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    y, rstd = torch.empty_like(x), torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    grid = lambda meta: (triton.cdiv(rows, meta["BT"]),)  # noqa: E731
+    nb = triton.cdiv(rows, 2048 * 32)
+    _fla().l2norm_fwd(grid, x=x, y=y, rstd=rstd, eps=1e-6, T=rows, D=dim, BD=triton.next_power_of_2(dim), NB=nb)
+    return y, rstd
+
+
+def _l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    rows, dim = y.numel() // y.shape[-1], y.shape[-1]
+    dx = torch.empty_like(y)
+    grid = lambda meta: (triton.cdiv(rows, meta["BT"]),)  # noqa: E731
+    nb = triton.cdiv(rows, 2048 * 32)
+    _fla().l2norm_bwd(
+        grid, y=y, rstd=rstd, dy=dy, dx=dx, eps=1e-6, T=rows, D=dim, BD=triton.next_power_of_2(dim), NB=nb
+    )
+    return dx
+
+
+def _cumsum(g: torch.Tensor, index: _Index, scale: float | None = None, reverse: bool = False) -> torch.Tensor:
+    """Cumulative sum of ``g`` inside each chunk (float32), times ``scale``; ``reverse``: from each chunk's end."""
+    _, total, heads = g.shape
+    out = torch.empty_like(g, dtype=torch.float32)
+    _fla().cumsum(
+        (index.n_chunks * heads,), s=g, o=out, scale=scale, cu_seqlens=index.cu_seqlens,
+        chunk_indices=index.chunk_indices, T=total, B=1, H=heads, BT=CHUNK, REVERSE=reverse, USE_GRAPH=False,
+    )  # fmt: skip
+    return out
+
+
+def _kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, index: _Index) -> torch.Tensor:
+    """``(I + A)^-1`` of every chunk (fla's fused kkt + solve_tril), ``[1, T, HV, 64]``."""
+    _, total, heads, k_dim = k.shape
+    v_heads = beta.shape[2]
+    a = torch.zeros(1, total, v_heads, CHUNK, device=k.device, dtype=k.dtype)
+    _fla().kkt_solve(
+        (index.n_chunks, v_heads), k=k, g=g, beta=beta, A=a, cu_seqlens=index.cu_seqlens,
+        chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim, BT=CHUNK, BC=16,
+    )  # fmt: skip
+    return a
+
+
+def _recompute_w_u(
+    k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, g: torch.Tensor, index: _Index
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _, total, heads, k_dim = k.shape
+    v_heads, v_dim = v.shape[2], v.shape[3]
+    w, u = k.new_empty(1, total, v_heads, k_dim), torch.empty_like(v)
+    _fla().w_u(
+        (index.n_chunks, v_heads), k=k, v=v, beta=beta, w=w, u=u, A=a, g=g, cu_seqlens=index.cu_seqlens,
+        chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK, BK=64, BV=64,
+    )  # fmt: skip
+    return w, u
+
+
+def _fwd_o(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, g: torch.Tensor, scale: float, index: _Index
+) -> torch.Tensor:
+    _, total, heads, k_dim = q.shape
+    v_heads, v_dim = v.shape[2], v.shape[3]
+    o = torch.empty_like(v)
+    n_chunks = index.n_chunks
+    grid = lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_chunks, v_heads)  # noqa: E731
+    _fla().fwd_o(
+        grid, q=q, k=k, v=v, h=h, g=g, g_gamma=None, o=o, cu_seqlens=index.cu_seqlens,
+        chunk_indices=index.chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
+        STATE_V_FIRST=False,
+    )  # fmt: skip
+    return o
+
+
+def _dv_local(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: float, index: _Index
+) -> torch.Tensor:
+    _, total, heads, k_dim = k.shape
+    v_heads, v_dim = do.shape[2], do.shape[3]
+    tile = _fla().dv_local_tile
+    dv = torch.empty_like(do)
+    _fla().dv_local(
+        (index.n_chunks, v_heads), q=q, k=k, g=g, g_gamma=None, A=None, do=do, dv=dv, cu_seqlens=index.cu_seqlens,
+        chunk_indices=index.chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
+        BK=min(max(triton.next_power_of_2(k_dim), 16), tile), BV=min(max(triton.next_power_of_2(v_dim), 16), tile),
+    )  # fmt: skip
+    return dv
+
+
+def _wy_bwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    a: torch.Tensor,
+    dw: torch.Tensor,
+    du: torch.Tensor,
+    index: _Index,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of k, v, beta and g through the WY representation."""
+    _, total, heads, k_dim = k.shape
+    v_heads, v_dim = v.shape[2], v.shape[3]
+    tile = _fla().wy_bwd_tile
+    dk, dv = k.new_empty(1, total, v_heads, k_dim), torch.empty_like(v)
+    dg, db = torch.empty_like(g), torch.empty_like(beta)
+    _fla().wy_bwd(
+        (index.n_chunks, v_heads), k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=du, dk=dk, dv=dv, db=db, dg=dg,
+        cu_seqlens=index.cu_seqlens, chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim,
+        V=v_dim, BT=CHUNK, BK=min(max(triton.next_power_of_2(k_dim), 16), tile),
+        BV=min(max(triton.next_power_of_2(v_dim), 16), tile),
+    )  # fmt: skip
+    if heads != v_heads:  # per value head -> per key head
+        dk = dk.view(1, total, heads, v_heads // heads, k_dim).sum(3)
+    return dk, dv, db, dg
+
+
+def _launch(kernel: TunedKernel, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -> None:
+    """Launch one of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence,
+    value head and value block), with :data:`PROMPT_PHASE_CONFIG` where a prompt sets the pace (Triton refuses
+    a setting that needs more shared memory than the GPU has, as float32 inputs may, and the tuned one runs)."""
+    n_seq = phase.cu_seqlens.numel() - 1
+    args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
+    setting = None
+    if phase.prompt_paced and PROMPT_PHASE_CONFIG is not None:
+        block_v, warps, stages = PROMPT_PHASE_CONFIG
+        setting = {"BV": block_v, "num_warps": warps, "num_stages": stages}
+    kernel(lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,), setting, **args)
+
+
+def _initial_states(h0: torch.Tensor | None, k: torch.Tensor, u: torch.Tensor, index: _Index) -> torch.Tensor | None:
     """The initial state of every sequence: ``h0``, or for a shared prompt ``[prompt's h0 (zeros if none),
     then one row per completion]``, the completions' rows filled in by :func:`_fwd_h`."""
-    if len(recurrence.phases) == 1:
+    if len(index.phases) == 1:
         return h0
-    n_seq = recurrence.together.cu_seqlens.numel() - 1
-    states = k.new_zeros(n_seq, u.shape[2], k.shape[-1], u.shape[-1], dtype=torch.float32)
-    if h0 is not None:
-        states[:1] = h0
+    n_seq = index.together.cu_seqlens.numel() - 1
+    states = k.new_empty(n_seq, u.shape[2], k.shape[-1], u.shape[-1], dtype=torch.float32)
+    if h0 is None:
+        states[0].zero_()
+    else:
+        states[0] = h0[0]
     return states
 
 
@@ -256,14 +411,13 @@ def _fwd_h(
     completions), the prompt's final state is written into the completions' rows of ``starts`` before
     they run. Returns per-chunk states, ``v_new`` and the final states of the last phase's sequences.
     """
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
-
     _, total, heads, k_dim = k.shape
     v_heads, v_dim = u.shape[2], u.shape[3]
     h = k.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
     v_new = torch.empty_like(u)
     args = {"k": k, "v": u, "w": w, "v_new": v_new, "g": g, "gk": None, "h": h, "T": total}
     args.update(H=heads, HV=v_heads, K=k_dim, V=v_dim)
+    kernel = _fla().fwd_h
     if len(phases) == 2:
         prompt_final = k.new_empty(1, v_heads, k_dim, v_dim, dtype=torch.float32)
         _launch(kernel, phases[0], v_heads, v_dim, h0=starts[:1], ht=prompt_final, **args)
@@ -292,14 +446,13 @@ def _bwd_dhu(
     """fla's backward state recurrence (``chunk_gated_delta_rule_bwd_dhu``'s kernel), phases last first:
     the completions' initial-state gradients, summed, are the gradient of the prompt's final state.
     Returns the per-chunk state gradients, the initial-state gradient (when ``want_dh0``) and ``dv``."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
-
     _, total, heads, k_dim = q.shape
     v_heads, v_dim = do.shape[2], do.shape[3]
     dh = q.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
     dv2 = torch.empty_like(dv)
     args = {"q": q, "k": k, "w": w, "g": g, "gk": None, "do": do, "dh": dh, "dv": dv, "dv2": dv2, "scale": scale}
     args.update(T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim)
+    kernel = _fla().bwd_dhu
     if len(phases) == 2:
         d_fanned = torch.empty_like(starts[1:])
         _launch(kernel, phases[1], v_heads, v_dim, dht=dht, dh0=d_fanned, **args)
@@ -331,60 +484,47 @@ class FlaHybrid(torch.autograd.Function):
         use_qk_l2norm: bool,
         shared_prompt: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from fla.modules.norm.l2norm import l2norm_fwd
-        from fla.ops.common.chunk_o import chunk_fwd_o
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.index import prepare_chunk_indices
-
         ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
         # fla's kernels index with contiguous strides (fla's own Function makes every input contiguous).
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         initial_state = None if initial_state is None else initial_state.contiguous()
         q_rstd = k_rstd = None
         if use_qk_l2norm:
-            q, q_rstd = l2norm_fwd(q)
-            k, k_rstd = l2norm_fwd(k)
-        chunks = prepare_chunk_indices(cu_seqlens, CHUNK)
-        index = {"cu_seqlens": cu_seqlens, "chunk_indices": chunks}
+            q, q_rstd = _l2norm_fwd(q)
+            k, k_rstd = _l2norm_fwd(k)
+        index = _index(cu_seqlens, shared_prompt)
         # As fla 0.6's chunk_gated_delta_rule_fwd composes these, with the recurrence in phases.
-        g = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, **index)
-        w, u, a = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK, **index)
-        ctx.recurrence = recurrence = _recurrence(cu_seqlens, shared_prompt)
-        starts = _initial_states(initial_state, k, u, recurrence)
-        h, v_new, final_state = _fwd_h(k, w, u, g, starts, output_final_state, recurrence.phases, len(chunks))
-        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, chunk_size=CHUNK, **index)
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, starts, cu_seqlens, chunks)
-        ctx.scale, ctx.use_qk_l2norm, ctx.want_dh0 = scale, use_qk_l2norm, initial_state is not None
+        g = _cumsum(g, index, scale=_fla().rcp_ln2)
+        a = _kkt_solve(k, g, beta, index)
+        w, u = _recompute_w_u(k, v, beta, a, g, index)
+        starts = _initial_states(initial_state, k, u, index)
+        h, v_new, final_state = _fwd_h(k, w, u, g, starts, output_final_state, index.phases, index.n_chunks)
+        o = _fwd_o(q, k, v_new, h, g, scale, index)
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, starts)
+        ctx.index, ctx.scale, ctx.use_qk_l2norm, ctx.want_dh0 = index, scale, use_qk_l2norm, initial_state is not None
         return o.to(q.dtype), final_state
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        from fla.modules.norm.l2norm import l2norm_bwd
-        from fla.ops.common.chunk_o import chunk_bwd_dv_local
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
-        from fla.ops.utils import chunk_local_cumsum
-
-        q, q_rstd, k, k_rstd, v, g, beta, a, starts, cu, chunks = ctx.saved_tensors
+        q, q_rstd, k, k_rstd, v, g, beta, a, starts = ctx.saved_tensors
         # Autograd may hand in expanded gradients (stride 0, e.g. from ``final_state.sum()``).
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        index = {"cu_seqlens": cu, "chunk_indices": chunks}
-        recurrence = ctx.recurrence
+        index = ctx.index
         # As fla 0.6's chunk_gated_delta_rule_bwd composes these, with our chunk_bwd_dqkwg. Every initial
         # state is known now, so recomputing the states takes one launch, a shared prompt's completions
         # running beside the prompt instead of after it.
-        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=g, **index)
-        h, v_new, _ = _fwd_h(k, w, u, g, starts, False, (recurrence.together,), len(chunks))
-        dv = chunk_bwd_dv_local(q=q, k=k, g=g, do=do, scale=ctx.scale, chunk_size=CHUNK, **index)
-        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, ctx.want_dh0, dht, do, dv, ctx.scale, recurrence.phases, len(chunks))
+        w, u = _recompute_w_u(k, v, beta, a, g, index)
+        h, v_new, _ = _fwd_h(k, w, u, g, starts, False, (index.together,), index.n_chunks)
+        dv = _dv_local(q, k, g, do, ctx.scale, index)
+        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, ctx.want_dh0, dht, do, dv, ctx.scale, index.phases, index.n_chunks)
+        cu, chunks = index.cu_seqlens, index.chunk_indices
         dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
-        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=dv, **index)
-        dk = dk + dk2
-        dg = chunk_local_cumsum(dg + dg2, chunk_size=CHUNK, reverse=True, **index)
+        dk_wy, dv, db, dg_wy = _wy_bwd(k, v, beta, g, a, dw, dv, index)
+        dk += dk_wy
+        dg = _cumsum(dg.add_(dg_wy), index, reverse=True)
         if ctx.use_qk_l2norm:
-            dq = l2norm_bwd(q, q_rstd, dq)
-            dk = l2norm_bwd(k, k_rstd, dk)
+            dq = _l2norm_bwd(q, q_rstd, dq)
+            dk = _l2norm_bwd(k, k_rstd, dk)
         grads = (x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, db), ctx.dtypes, strict=True))
         return *grads, None, dh0, None, None, None, None
