@@ -233,13 +233,14 @@ def _index(cu: torch.Tensor, shared_prompt: bool) -> _Index:
 
     With ``shared_prompt``, sequence 0 of ``cu`` is the prompt and the others are its completions; the
     completions start from the prompt's final state, so in the forward their recurrence runs after the
-    prompt's. Built once per ``cu`` tensor (fla's chunk indices read the sequence lengths on the host).
+    prompt's. Built once per ``cu`` tensor: the chunk count is read on the host here, once per step.
     """
-    from fla.ops.utils.index import prepare_chunk_indices
-
     chunk_counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat([cu.new_zeros(1), chunk_counts.cumsum(0)])
-    chunk_indices = prepare_chunk_indices(cu, CHUNK)
+    # fla's prepare_chunk_indices' [sequence, chunk within it] pairs, from the offsets already at hand.
+    sequence = torch.repeat_interleave(torch.arange(len(chunk_counts), device=cu.device), chunk_counts)
+    within = torch.arange(len(sequence), device=cu.device) - offsets[sequence]
+    chunk_indices = torch.stack([sequence, within], 1).to(cu)
     if not shared_prompt:
         whole = _Phase(cu, offsets)
         return _Index(cu, chunk_indices, (whole,), whole)

@@ -86,3 +86,31 @@ def test_heuristics_inside_an_autotuner_are_refused() -> None:
 
     with pytest.raises(TypeError, match="heuristics inside an autotuner"):
         TunedKernel(kernel)
+
+
+def test_a_setting_that_does_not_fit_falls_back_to_the_tuned_one() -> None:
+    """A fixed setting that needs more shared memory than the GPU has (float32 inputs need twice bfloat16's)
+    is refused by Triton before it runs; the launch then goes through the autotuner, and the setting is not
+    tried again for that tuning key. (Triton refuses a launch this way only on a GPU: the kernel object here
+    plays a JIT function whose launch is refused.)"""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from model_support.kernels._fla_launch import TunedKernel
+
+    launches: list[str] = []
+
+    class RefusingJit:
+        def run(self, grid: tuple[int], warmup: bool, **kwargs: object) -> None:
+            if kwargs.get("BV") == 16:
+                launches.append(f"fixed BV=16 grid={grid}")
+                raise OutOfResources(295944, 232448, "shared memory")
+            launches.append(f"tuned setting, K={kwargs['K']}")
+
+        def __getitem__(self, grid: object) -> object:
+            return lambda **kwargs: launches.append(f"through the autotuner, K={kwargs['K']}")
+
+    kernel = TunedKernel(RefusingJit())
+    for _ in range(2):
+        kernel((16,), {"BV": 16, "num_warps": 4, "num_stages": 3}, k=torch.zeros(2), K=128)
+    assert launches == ["fixed BV=16 grid=(16,)", "through the autotuner, K=128", "tuned setting, K=128"]

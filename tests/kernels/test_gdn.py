@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -241,11 +240,12 @@ def test_hybrid_dqkwg_matches_autograd_in_interpreter() -> None:
 def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -> None:
     """fla-hybrid's two recurrence phases (prompt, then its completions) are slices of the joined
     cu_seqlens and of the chunk offsets computed from it on the device, so both phases index the
-    same full-size tensors; the backward's recomputation runs all sequences together."""
-    from model_support.kernels._fla_hybrid import _recurrence
+    same full-size tensors; the backward's recomputation runs all sequences together. The chunk indices
+    are fla's [sequence, chunk within it] pairs."""
+    from model_support.kernels._fla_hybrid import _index
 
     cu = torch.tensor([0, 130, 131, 195, 265])  # prompt of 130 tokens (3 chunks), completions 1, 64, 70
-    shared = _recurrence(cu, shared_prompt=True)
+    shared = _index(cu, shared_prompt=True)
     prompt, completions = shared.phases
     assert prompt.cu_seqlens.tolist() == [0, 130]
     assert prompt.chunk_offsets[:1].tolist() == [0]
@@ -253,7 +253,9 @@ def test_hybrid_shared_prompt_phases_keep_absolute_token_and_chunk_positions() -
     assert completions.chunk_offsets[:3].tolist() == [3, 4, 5]
     assert shared.together.cu_seqlens is cu and shared.together.chunk_offsets.tolist() == [0, 3, 4, 5, 7]
     assert prompt.prompt_paced and shared.together.prompt_paced and not completions.prompt_paced
-    plain = _recurrence(cu, shared_prompt=False)
+    assert shared.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [3, 0], [3, 1]]
+    assert shared.n_chunks == 7 and shared.chunk_indices.dtype == cu.dtype
+    plain = _index(cu, shared_prompt=False)
     assert plain.phases == (plain.together,) and not plain.together.prompt_paced
 
 
@@ -269,41 +271,3 @@ def test_fla_index_is_read_once_per_cu_seqlens_tensor() -> None:
     other, n_other = _fla_index(torch.tensor([0, 3], dtype=torch.int32))
     assert other is not first and n_other == 3
     assert _fla_index(torch.tensor([0, 3], dtype=torch.int32))[0] is not other
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="fla-hybrid's module needs Triton")
-def test_hybrid_launch_setting_that_does_not_fit_falls_back_to_the_autotuner() -> None:
-    """A fixed launch setting that needs more shared memory than the GPU has (float32 inputs need twice
-    bfloat16's) is refused by Triton before it runs; that kernel then goes through fla's autotuner, and
-    the setting is not tried again for the same kernel, head size and dtype."""
-    from triton.runtime.errors import OutOfResources
-
-    from model_support.kernels._fla_hybrid import _UNFIT, PROMPT_PHASE_CONFIG, _launch, _Phase
-
-    launches: list[str] = []
-
-    class Jit:
-        __name__ = "recurrence_kernel"
-
-        def __getitem__(self, grid: tuple[int]) -> Callable[..., None]:
-            def run(**kwargs: object) -> None:
-                launches.append(f"fixed BV={kwargs['BV']} grid={grid}")
-                raise OutOfResources(295944, 232448, "shared memory")
-
-            return run
-
-    class Tuned:
-        def __init__(self) -> None:
-            self.fn = type("Autotuner", (), {"fn": Jit()})()
-            self.values = {"USE_INITIAL_STATE": lambda args: args["h0"] is not None}
-
-        def __getitem__(self, grid: Callable[[dict[str, int]], tuple[int]]) -> Callable[..., None]:
-            return lambda **kwargs: launches.append(f"autotuned grid={grid({'BV': 64})}")
-
-    assert PROMPT_PHASE_CONFIG == (16, 4, 3)
-    phase = _Phase(torch.tensor([0, 130]), torch.tensor([0, 3]), prompt_paced=True)
-    args = {"k": torch.zeros(1, 130, 2, 128), "K": 128, "h0": None}
-    for _ in range(2):
-        _launch(Tuned(), phase, v_heads=2, v_dim=128, **args)
-    assert launches == ["fixed BV=16 grid=(16,)", "autotuned grid=(4,)", "autotuned grid=(4,)"]
-    assert ("recurrence_kernel", 128, torch.float32, (16, 4, 3)) in _UNFIT
