@@ -152,7 +152,7 @@ def chunk_bwd_dqkwg(
     dw = torch.empty_like(w)
     dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     block_k = max(16, triton.next_power_of_2(k_dim))
-    block_v = min(64, max(16, triton.next_power_of_2(v_dim)))
+    block_v = _tile(v_dim, 64)
     _DQKWG(
         (chunk_indices.shape[0], v_heads), {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
         q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg, cu_seqlens=cu_seqlens,
@@ -255,23 +255,24 @@ def _index(cu: torch.Tensor, shared_prompt: bool) -> _Index:
 # packed B = 1 input with 64-token chunks on a GPU where the fused kkt + solve kernel runs.
 
 
+def _l2norm(kernel: TunedKernel, rows_of: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Launch fla's row-wise l2norm kernel (forward or backward) over ``rows_of``'s rows of its last dimension."""
+    rows, dim = rows_of.numel() // rows_of.shape[-1], rows_of.shape[-1]
+    kernel(
+        lambda meta: (triton.cdiv(rows, meta["BT"]),), **tensors, eps=1e-6, T=rows, D=dim,
+        BD=triton.next_power_of_2(dim), NB=triton.cdiv(rows, 2048 * 32),
+    )  # fmt: skip
+
+
 def _l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     y, rstd = torch.empty_like(x), torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    grid = lambda meta: (triton.cdiv(rows, meta["BT"]),)  # noqa: E731
-    nb = triton.cdiv(rows, 2048 * 32)
-    _fla().l2norm_fwd(grid, x=x, y=y, rstd=rstd, eps=1e-6, T=rows, D=dim, BD=triton.next_power_of_2(dim), NB=nb)
+    _l2norm(_fla().l2norm_fwd, x, x=x, y=y, rstd=rstd)
     return y, rstd
 
 
 def _l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    rows, dim = y.numel() // y.shape[-1], y.shape[-1]
     dx = torch.empty_like(y)
-    grid = lambda meta: (triton.cdiv(rows, meta["BT"]),)  # noqa: E731
-    nb = triton.cdiv(rows, 2048 * 32)
-    _fla().l2norm_bwd(
-        grid, y=y, rstd=rstd, dy=dy, dx=dx, eps=1e-6, T=rows, D=dim, BD=triton.next_power_of_2(dim), NB=nb
-    )
+    _l2norm(_fla().l2norm_bwd, y, y=y, rstd=rstd, dy=dy, dx=dx)
     return dx
 
 
@@ -327,6 +328,11 @@ def _fwd_o(
     return o
 
 
+def _tile(dim: int, limit: int) -> int:
+    """A block size covering ``dim`` (a power of two, at least 16, at most ``limit``), as fla's host functions."""
+    return min(max(triton.next_power_of_2(dim), 16), limit)
+
+
 def _dv_local(
     q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: float, index: _Index
 ) -> torch.Tensor:
@@ -337,7 +343,7 @@ def _dv_local(
     _fla().dv_local(
         (index.n_chunks, v_heads), q=q, k=k, g=g, g_gamma=None, A=None, do=do, dv=dv, cu_seqlens=index.cu_seqlens,
         chunk_indices=index.chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
-        BK=min(max(triton.next_power_of_2(k_dim), 16), tile), BV=min(max(triton.next_power_of_2(v_dim), 16), tile),
+        BK=_tile(k_dim, tile), BV=_tile(v_dim, tile),
     )  # fmt: skip
     return dv
 
@@ -361,8 +367,7 @@ def _wy_bwd(
     _fla().wy_bwd(
         (index.n_chunks, v_heads), k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=du, dk=dk, dv=dv, db=db, dg=dg,
         cu_seqlens=index.cu_seqlens, chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim,
-        V=v_dim, BT=CHUNK, BK=min(max(triton.next_power_of_2(k_dim), 16), tile),
-        BV=min(max(triton.next_power_of_2(v_dim), 16), tile),
+        V=v_dim, BT=CHUNK, BK=_tile(k_dim, tile), BV=_tile(v_dim, tile),
     )  # fmt: skip
     if heads != v_heads:  # per value head -> per key head
         dk = dk.view(1, total, heads, v_heads // heads, k_dim).sum(3)
@@ -387,12 +392,11 @@ def _initial_states(h0: torch.Tensor | None, k: torch.Tensor, u: torch.Tensor, i
     then one row per completion]``, the completions' rows filled in by :func:`_fwd_h`."""
     if len(index.phases) == 1:
         return h0
-    n_seq = index.together.cu_seqlens.numel() - 1
-    states = k.new_empty(n_seq, u.shape[2], k.shape[-1], u.shape[-1], dtype=torch.float32)
+    shape = (index.together.cu_seqlens.numel() - 1, u.shape[2], k.shape[-1], u.shape[-1])
     if h0 is None:
-        states[0].zero_()
-    else:
-        states[0] = h0[0]
+        return k.new_zeros(shape, dtype=torch.float32)
+    states = k.new_empty(shape, dtype=torch.float32)
+    states[0] = h0[0]
     return states
 
 

@@ -76,20 +76,20 @@ class TunedKernel:
             self._settings[key] = {} if config is None else config.all_kwargs()
 
     def _launch(self, site: tuple[Any, ...], grid: Grid, args: dict[str, Any], setting: dict[str, Any]) -> None:
-        binder = self._binder()
-        known = None if binder is None else self._compiled.get(site)
-        if known is not None:
-            bound, specialization, _ = binder(**args, **setting)
-            if specialization == known[0]:
-                if callable(grid):
-                    grid = grid(bound)
-                known[1][(*grid, 1, 1)[:3]](*bound.values())
-                return
+        caches = getattr(self._jit, "device_caches", None)  # None under the CPU interpreter
+        if caches is None:
+            self._jit.run(grid=grid, warmup=False, **args, **setting)
+            return
+        device = driver.active.get_current_device()
+        binder = caches[device][-1]  # Triton's argument binder, as JITFunction.run calls it
+        site = (device, *site)  # a compiled kernel belongs to one device, as in Triton's own cache
+        bound, specialization, _ = binder(**args, **setting)
+        known = self._compiled.get(site)
+        if known is not None and specialization == known[0]:
+            if callable(grid):
+                grid = grid(bound)
+            known[1][(*grid, 1, 1)[:3]](*bound.values())
+            return
         compiled = self._jit.run(grid=grid, warmup=False, **args, **setting)
-        if binder is not None and compiled is not None:
-            self._compiled[site] = (binder(**args, **setting)[1], compiled)
-
-    def _binder(self) -> Any:
-        """Triton's argument binder for the current device (None under the CPU interpreter)."""
-        caches = getattr(self._jit, "device_caches", None)
-        return None if caches is None else caches[driver.active.get_current_device()][-1]
+        if compiled is not None:
+            self._compiled[site] = (specialization, compiled)
