@@ -32,6 +32,7 @@ from model_support.core.megatron.dist import ParallelLayout
 from model_support.core.megatron.forward import MicroBatch
 from model_support.core.megatron.lora import load_lora_state, lora_state, random_lora_state
 from model_support.core.megatron.rows import RowLayout
+from model_support.core.precision import exact_fp32
 from model_support.core.registry import load_registry
 from model_support.validation.selftest import MUTATION_ENV, injected
 
@@ -155,6 +156,7 @@ def main(argv: list[str]) -> None:
     out_dir, model_dir, handler_name, layouts = Path(argv[0]), Path(argv[1]), argv[2], argv[3].split(",")
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(exact_fp32())  # the layouts are built in fp32 and held to fixed fp32 tolerances
         # `model-support selftest` injects its bug into these processes too.
         mutation = os.environ.get(MUTATION_ENV)
         if mutation:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import time
@@ -13,6 +14,7 @@ from importlib import metadata
 from typing import Any
 
 from model_support.core.errors import ModelSupportError
+from model_support.core.precision import exact_fp32
 from model_support.validation.context import CheckContext
 from model_support.validation.memory import MemoryProbe
 from model_support.validation.stage import Stage, StageResult, Status
@@ -147,17 +149,20 @@ def run_checks(
         environment=environment(),
     )
     done: dict[str, StageResult] = {}
+    # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (the bf16 default keeps the trainer's math).
+    precision = exact_fp32() if ctx.dtype == "fp32" else contextlib.nullcontext()
     try:
-        for stage_cls in stages:
-            with MemoryProbe() as memory:
-                start = time.perf_counter()
-                result = _run_one(stage_cls(), ctx, done)
-                result.duration_s = time.perf_counter() - start
-            memory.record(result)
-            done[stage_cls.name] = result
-            report.results.append(result)
-            if on_result is not None:
-                on_result(result)
+        with precision:
+            for stage_cls in stages:
+                with MemoryProbe() as memory:
+                    start = time.perf_counter()
+                    result = _run_one(stage_cls(), ctx, done)
+                    result.duration_s = time.perf_counter() - start
+                memory.record(result)
+                done[stage_cls.name] = result
+                report.results.append(result)
+                if on_result is not None:
+                    on_result(result)
     finally:
         _stop_servers(ctx)
     return report

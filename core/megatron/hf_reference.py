@@ -19,6 +19,7 @@ common MoE interface), so it does not matter whether the router or the block its
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import torch
 from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.codecs import PEFT_PREFIX, load_peft_adapter
 from model_support.core.errors import ModelSupportError
+from model_support.core.precision import exact_fp32
 
 
 class ReferenceError(ModelSupportError):
@@ -217,8 +219,10 @@ class StreamedReference:
             target = None if replay is None else replay[position]
             hook = _experts_hook(name, seen, captures if routers else None, target)
             handles.append(experts.register_forward_pre_hook(hook, with_kwargs=True))
+        precision = exact_fp32() if self.dtype == torch.float32 else contextlib.nullcontext()
         try:
-            out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
+            with precision:
+                out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()

@@ -16,9 +16,11 @@ class SharedPrefixStage(Stage):
     seeing the prompt's last tokens). It must compute what each ``[prompt, c_i]`` row computes alone: the prompt's
     and every completion's logits, the completions' loss (each completion's tokens predicted from the prompt's
     last position and its own), and every LoRA gradient of that loss. Tolerances as ``packed_position_ids``: fixed
-    in fp32, a multiple of transformers' own rounding distance below it; MoE routers replay the routing the rows
-    took alone. Control: the same tokens with every completion restarting at position 0 (not seeing the prompt)
-    must differ by at least the dtype's effect floor (``control_rel_l2``)."""
+    in fp32, a multiple of transformers' own rounding distance below it. MoE routers replay, in both runs, the
+    first unshared row's routing of the prompt and each completion's own (``prompt_routing_flips`` counts the
+    prompt tokens whose top-k the other unshared rows had chosen differently on their own). Control: the same
+    tokens with every completion restarting at position 0 (not seeing the prompt) must differ by at least the
+    dtype's effect floor (``control_rel_l2``)."""
 
     name = "shared_prefix"
     title = "A prompt packed once with its completions gives the logits, loss and gradients of the unshared rows."
@@ -55,18 +57,31 @@ class SharedPrefixStage(Stage):
             predictions = torch.cat([prompt_last[None], own[:-1]])
             return torch.nn.functional.cross_entropy(predictions, tokens[0].to(own.device), reduction="sum")
 
+        unshared = [torch.cat([prompt, completion], dim=1) for completion in completions]
+        with recorded_routing(model) as routing, torch.no_grad():
+            for tokens in unshared:
+                logits(model, tokens)
+        # Each unshared row routes its copy of the prompt on its own, and in low precision a near tie among many
+        # experts can flip between copies (the copies differ in rounding only); the shared row computes the prompt
+        # once. So every run takes the first row's routing of the prompt and each completion's own routing.
+        row_routing = [[torch.cat([calls[0][:size], c[size:]]) for c in calls] for calls in routing]
+        shared_routing = [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing]
+        prompt_flips = sum(
+            int((c[:size].sort(-1).values != calls[0][:size].sort(-1).values).any(-1).sum())
+            for calls in routing
+            for c in calls[1:]
+        )
+
         model.zero_grad(set_to_none=True)
         alone, loss_alone = [], 0.0
-        with recorded_routing(model) as routing:
-            for completion in completions:
-                out = logits(model, torch.cat([prompt, completion], dim=1))[0]
+        for i, (tokens, completion) in enumerate(zip(unshared, completions, strict=True)):
+            with replayed_routing(model, [calls[i] for calls in row_routing], batch=1):
+                out = logits(model, tokens)[0]
                 loss = completion_loss(out[size - 1], out[size:], completion)
                 loss.backward()
-                loss_alone += loss.item()
-                alone.append(out.detach())
+            loss_alone += loss.item()
+            alone.append(out.detach())
         alone_grads = {n: p.grad.clone() for n, p in params.items()}
-        # The shared row's routing: the prompt's tokens as the first row routed them, then each completion's.
-        shared_routing = [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing]
         reference = torch.cat([alone[0][:size], *(out[size:] for out in alone)])
 
         model.zero_grad(set_to_none=True)
@@ -89,6 +104,7 @@ class SharedPrefixStage(Stage):
             "completions": len(self.completions),
             "tokens": row.shape[1],
             "unshared_tokens": sum(size + n for n in self.completions),
+            "prompt_routing_flips": prompt_flips,
             **closeness(shared.detach(), reference, prefix="logits_"),
             "loss_rel_err": abs(loss_shared.item() - loss_alone) / abs(loss_alone),
             **gradient_closeness(shared_grads, alone_grads),

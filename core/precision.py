@@ -1,0 +1,36 @@
+"""fp32 arithmetic at fp32 precision on a GPU, for comparisons held to fixed fp32 tolerances."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+# Triton's default precision of tl.dot on float32 operands; read when a kernel compiles and part of its cache key.
+TRITON_FP32_DEFAULT = "TRITON_F32_DEFAULT"
+
+
+@contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Within the block, float32 matmuls, convolutions and Triton dots run at float32 precision, not TF32.
+
+    On Ampere and later, cuDNN convolutions take TF32 by default and so does Triton's ``tl.dot`` on float32
+    operands where a kernel names no precision (fla's Gated DeltaNet kernels): about 1e-3 relative error, ten times
+    the 1e-4 an fp32 comparison allows. Kernels compiled inside the block keep full precision (a kernel already
+    compiled for the same argument types keeps the precision it was compiled with). On a CPU nothing changes.
+    """
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    triton_default = os.environ.get(TRITON_FP32_DEFAULT)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.environ[TRITON_FP32_DEFAULT] = "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        if triton_default is None:
+            os.environ.pop(TRITON_FP32_DEFAULT, None)
+        else:
+            os.environ[TRITON_FP32_DEFAULT] = triton_default
