@@ -39,52 +39,39 @@ class PackedPositionIdsStage(Stage):
             EFFECT_FLOOR,
             closeness,
             gradient_closeness,
-            recorded_routing,
-            replayed_routing,
             same_model_tolerances,
         )
-        from model_support.core.megatron.forward import logits
         from model_support.core.megatron.session import LOWP_KEY, random_tokens, with_random_lora
+        from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=2)
         model, dtype = built.model, built.numerics.dtype
         seqs = [random_tokens(ctx, (1, n), offset=10 + i) for i, n in enumerate(self.lengths)]
         row = torch.cat(seqs, dim=1)
         positions = torch.cat([torch.arange(n) for n in self.lengths])[None]
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        bounds = list(itertools.pairwise(torch.cumsum(torch.tensor((0, *self.lengths)), 0).tolist()))
 
         def loss_of(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(out[0, :-1], tokens[0, 1:].to(out.device), reduction="sum")
+            return torch.nn.functional.cross_entropy(out[:-1], tokens[0, 1:].to(out.device), reduction="sum")
 
-        model.zero_grad(set_to_none=True)
-        alone = []
-        with recorded_routing(model) as routing:
-            for seq in seqs:
-                out = logits(model, seq)
-                loss_of(out, seq).backward()
-                alone.append(out.detach())
-        alone_grads = {n: p.grad.clone() for n, p in params.items()}
-        separate_routing = [torch.cat(calls) for calls in routing]
-
-        model.zero_grad(set_to_none=True)
-        bounds = torch.cumsum(torch.tensor((0, *self.lengths)), 0).tolist()
-        with replayed_routing(model, separate_routing, batch=1):
-            packed = logits(model, row, positions)
-            sum(loss_of(packed[:, s:e], row[:, s:e]) for s, e in itertools.pairwise(bounds)).backward()
-            packed_grads = {n: p.grad.clone() for n, p in params.items()}
-            model.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                unpacked = logits(model, row)
-
-        separate = torch.cat(alone, dim=1)
+        routing = routing_alone(model, seqs)
+        alone = run_alone(model, seqs, lambda out, i: loss_of(out, seqs[i]), routing)
+        packed, unpacked = run_packed(
+            model,
+            row,
+            positions,
+            lambda out: sum(loss_of(out[s:e], row[:, s:e]) for s, e in bounds),
+            [torch.cat(calls) for calls in routing],
+        )
+        separate = torch.cat(alone.logits)
         metrics = {
             "dtype": built.numerics.dtype_name,
             "sequences": len(self.lengths),
             "tokens": row.shape[1],
             "gdn_layers": len(ctx.layout.gdn_layers),
             "attention_layers": len(ctx.layout.attention_layers),
-            **closeness(packed.detach(), separate, prefix="logits_"),
-            **gradient_closeness(packed_grads, alone_grads),
+            **closeness(packed.logits[0], separate, prefix="logits_"),
+            **gradient_closeness(packed.grads, alone.grads),
             "leak_control_rel_l2": closeness(unpacked, separate)["rel_l2"],
         }
         thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))

@@ -35,13 +35,11 @@ class SharedPrefixStage(Stage):
             EFFECT_FLOOR,
             closeness,
             gradient_closeness,
-            recorded_routing,
-            replayed_routing,
             same_model_tolerances,
         )
-        from model_support.core.megatron.forward import logits
         from model_support.core.megatron.rows import RowLayout
         from model_support.core.megatron.session import LOWP_KEY, random_tokens, with_random_lora
+        from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=3)
         model, dtype = built.model, built.numerics.dtype
@@ -50,53 +48,39 @@ class SharedPrefixStage(Stage):
         completions = [random_tokens(ctx, (1, n), offset=21 + i) for i, n in enumerate(self.completions)]
         layout = RowLayout.shared_prefix(size, self.completions)
         row = torch.cat([prompt, *completions], dim=1)
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        unshared = [torch.cat([prompt, completion], dim=1) for completion in completions]
 
         def completion_loss(prompt_last: torch.Tensor, own: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
             """Summed cross-entropy of a completion's tokens: the first from the prompt's last position."""
             predictions = torch.cat([prompt_last[None], own[:-1]])
             return torch.nn.functional.cross_entropy(predictions, tokens[0].to(own.device), reduction="sum")
 
-        unshared = [torch.cat([prompt, completion], dim=1) for completion in completions]
-        with recorded_routing(model) as routing, torch.no_grad():
-            for tokens in unshared:
-                logits(model, tokens)
+        routing = routing_alone(model, unshared)
         # Each unshared row routes its copy of the prompt on its own, and in low precision a near tie among many
         # experts can flip between copies (the copies differ in rounding only); the shared row computes the prompt
-        # once. So every run takes the first row's routing of the prompt and each completion's own routing.
+        # once. So both runs take the first row's routing of the prompt and each completion's own routing.
         row_routing = [[torch.cat([calls[0][:size], c[size:]]) for c in calls] for calls in routing]
-        shared_routing = [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing]
         prompt_flips = sum(
             int((c[:size].sort(-1).values != calls[0][:size].sort(-1).values).any(-1).sum())
             for calls in routing
             for c in calls[1:]
         )
-
-        model.zero_grad(set_to_none=True)
-        alone, loss_alone = [], 0.0
-        for i, (tokens, completion) in enumerate(zip(unshared, completions, strict=True)):
-            with replayed_routing(model, [calls[i] for calls in row_routing], batch=1):
-                out = logits(model, tokens)[0]
-                loss = completion_loss(out[size - 1], out[size:], completion)
-                loss.backward()
-            loss_alone += loss.item()
-            alone.append(out.detach())
-        alone_grads = {n: p.grad.clone() for n, p in params.items()}
-        reference = torch.cat([alone[0][:size], *(out[size:] for out in alone)])
-
-        model.zero_grad(set_to_none=True)
-        with replayed_routing(model, shared_routing, batch=1):
-            shared = logits(model, row, layout.position_ids())[0]
-            loss_shared = sum(
-                completion_loss(shared[size - 1], shared[s.start : s.end], c)
+        alone = run_alone(
+            model, unshared, lambda out, i: completion_loss(out[size - 1], out[size:], completions[i]), row_routing
+        )
+        reference = torch.cat([alone.logits[0][:size], *(out[size:] for out in alone.logits)])
+        restarting = torch.cat([torch.arange(size), *(torch.arange(n) for n in self.completions)])[None]
+        shared, control = run_packed(
+            model,
+            row,
+            layout.position_ids(),
+            lambda out: sum(
+                completion_loss(out[size - 1], out[s.start : s.end], c)
                 for s, c in zip(layout.groups[0][1:], completions, strict=True)
-            )
-            loss_shared.backward()
-            shared_grads = {n: p.grad.clone() for n, p in params.items()}
-            model.zero_grad(set_to_none=True)
-            restarting = torch.cat([torch.arange(size), *(torch.arange(n) for n in self.completions)])[None]
-            with torch.no_grad():
-                control = logits(model, row, restarting)[0]
+            ),
+            [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing],
+            restarting,
+        )
 
         metrics = {
             "dtype": built.numerics.dtype_name,
@@ -105,9 +89,9 @@ class SharedPrefixStage(Stage):
             "tokens": row.shape[1],
             "unshared_tokens": sum(size + n for n in self.completions),
             "prompt_routing_flips": prompt_flips,
-            **closeness(shared.detach(), reference, prefix="logits_"),
-            "loss_rel_err": abs(loss_shared.item() - loss_alone) / abs(loss_alone),
-            **gradient_closeness(shared_grads, alone_grads),
+            **closeness(shared.logits[0], reference, prefix="logits_"),
+            "loss_rel_err": abs(shared.loss - alone.loss) / abs(alone.loss),
+            **gradient_closeness(shared.grads, alone.grads),
             "control_rel_l2": closeness(control[size:], reference[size:])["rel_l2"],
         }
         thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
