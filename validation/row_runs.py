@@ -25,9 +25,11 @@ class RowRun:
 def routing_alone(model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Each MoE router's top-k indices for each of ``rows`` ([1, S] token ids) run alone, forward only:
     ``[router][row]`` ([S, k] each; empty for a model without MoE)."""
-    from model_support.core.megatron.compare import recorded_routing
+    from model_support.core.megatron.compare import recorded_routing, routers
     from model_support.core.megatron.forward import logits
 
+    if not routers(model):
+        return []
     with recorded_routing(model) as routing, torch.no_grad():
         for tokens in rows:
             logits(model, tokens)
