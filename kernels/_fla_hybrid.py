@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from model_support.kernels._fla_launch import TunedKernel
-from model_support.kernels._memo import recent_calls_by_identity
+from model_support.kernels._memo import while_alive
 
 CHUNK = 64
 NUM_WARPS = 8
@@ -227,7 +227,7 @@ class _Index(NamedTuple):
         return self.chunk_indices.shape[0]
 
 
-@recent_calls_by_identity
+@while_alive
 def _index(cu: torch.Tensor, shared_prompt: bool) -> _Index:
     """All sequences in one phase, or (prompt, completions) for a shared prompt.
 

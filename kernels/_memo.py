@@ -1,41 +1,37 @@
-"""A memo of a function's recent calls, by argument identity (as fla's ``tensor_cache``)."""
+"""A memo of a function of a tensor, kept exactly as long as that tensor lives."""
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable
 from typing import Any
 
-RECENT_CALLS = 4
-"""Calls remembered (fla's ``tensor_cache`` keeps as many by default)."""
+import torch
+
+MEMO_ATTRIBUTE = "_model_support_memo"
+"""The tensor attribute that holds its memoised results (a result may reference the tensor itself, as
+``cu.long()`` of an int64 ``cu`` does: stored on the tensor, that cycle is collected with it)."""
 
 
-def recent_calls_by_identity[R](fn: Callable[..., R]) -> Callable[..., R]:
-    """Return ``fn`` remembering the results of its last :data:`RECENT_CALLS` calls; a call whose arguments
-    are the same objects (``is``), passed the same way, as a remembered call's returns that result without
-    calling ``fn``.
+def while_alive[R](fn: Callable[..., R]) -> Callable[..., R]:
+    """Return ``fn(tensor, ...)`` remembering its result for as long as ``tensor`` (the same object, ``is``)
+    is alive, one result per set of further arguments (which must be hashable).
 
-    Meant for per-step index tensors derived from ``cu_seqlens``: every GDN layer of a model gets the
-    same ``cu_seqlens`` tensor in a step, so the work, and any host sync in it, happens once per step.
-    The results stay alive while remembered, which a CUDA graph captured from a call relies on: its
-    kernels read them at every replay (two graphs of different rows, replayed in turn, need both).
-    Changing an argument tensor in place between calls is not supported (nor in fla).
+    Meant for index tensors derived from ``cu_seqlens``: every GDN layer of a model gets the same
+    ``cu_seqlens`` tensor in a step, so the work, and any host sync in it, happens once per step. A CUDA graph
+    captured from a call reads the results at every replay, and it reads ``cu_seqlens`` too, so whoever keeps
+    the graph keeps ``cu_seqlens`` and with it the results (fla's ``tensor_cache`` instead keeps its last four
+    calls, and a graph whose ``cu_seqlens`` falls out of them reads freed memory). A new ``cu_seqlens`` each
+    step frees the last step's results with it. Changing the tensor in place between calls is not supported
+    (nor in fla).
     """
-    recent: collections.deque[tuple[tuple[str, ...], tuple[Any, ...], R]] = collections.deque(maxlen=RECENT_CALLS)
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> R:
-        names, values = tuple(kwargs), (*args, *kwargs.values())
-        for seen_names, seen_values, result in recent:
-            if (
-                seen_names == names
-                and len(values) == len(seen_values)
-                and all(a is b for a, b in zip(values, seen_values, strict=True))
-            ):
-                return result
-        result = fn(*args, **kwargs)
-        recent.append((names, values, result))
-        return result
+    def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> R:
+        memo = tensor.__dict__.setdefault(MEMO_ATTRIBUTE, {}).setdefault(wrapper, {})
+        key = (args, tuple(kwargs.items()))
+        if key not in memo:
+            memo[key] = fn(tensor, *args, **kwargs)
+        return memo[key]
 
     return wrapper

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_support.kernels._memo import recent_calls_by_identity
+from model_support.kernels._memo import while_alive
 from model_support.kernels._recurrence import ChunkSchedule, state_recurrence, to_device
 from model_support.kernels.backend import BackendChoice, check_backend, select_backend
 from model_support.kernels.reference import l2norm
@@ -187,7 +187,7 @@ def run_chunked(
     return layout.from_chunks(o, total)[None], s_final
 
 
-@recent_calls_by_identity
+@while_alive
 def _fla_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``cu_seqlens`` as int64 and its valid token count, once per ``cu_seqlens`` tensor.
 
