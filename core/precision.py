@@ -13,14 +13,18 @@ TRITON_FP32_DEFAULT = "TRITON_F32_DEFAULT"
 
 
 @contextmanager
-def exact_fp32() -> Iterator[None]:
-    """Within the block, float32 matmuls, convolutions and Triton dots run at float32 precision, not TF32.
+def exact_fp32(enabled: bool = True) -> Iterator[None]:
+    """Within the block, float32 matmuls, convolutions and Triton dots run at float32 precision, not TF32
+    (``enabled=False``: the block runs with the settings as they are).
 
     On Ampere and later, cuDNN convolutions take TF32 by default and so does Triton's ``tl.dot`` on float32
     operands where a kernel names no precision (fla's Gated DeltaNet kernels): about 1e-3 relative error, ten times
     the 1e-4 an fp32 comparison allows. Kernels compiled inside the block keep full precision (a kernel already
     compiled for the same argument types keeps the precision it was compiled with). On a CPU nothing changes.
     """
+    if not enabled:
+        yield
+        return
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     triton_default = os.environ.get(TRITON_FP32_DEFAULT)
     torch.backends.cuda.matmul.allow_tf32 = False

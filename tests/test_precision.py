@@ -24,6 +24,8 @@ def test_settings_restored(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(RuntimeError, match="inside"), exact_fp32():
             raise RuntimeError("inside")
         assert os.environ[TRITON_FP32_DEFAULT] == "tf32x3"
+        with exact_fp32(enabled=False):
+            assert torch.backends.cuda.matmul.allow_tf32 and os.environ[TRITON_FP32_DEFAULT] == "tf32x3"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 

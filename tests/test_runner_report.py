@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from rich.console import Console
 
 from model_support.core.layout import ModelLayout
+from model_support.core.precision import TRITON_FP32_DEFAULT
 from model_support.core.registry import load_registry
 from model_support.validation.context import CheckContext
 from model_support.validation.report import render_terminal, to_json, to_junit, to_markdown
@@ -300,3 +302,22 @@ def test_a_handler_tolerance_needs_a_reason_and_a_stage_metric_key() -> None:
         dataclasses.replace(QWEN3, runtime=RuntimePolicy(tolerances={"merged_serving.err": 1.0}))
     with pytest.raises(SpecError, match=r"tolerances are keyed 'stage\.metric'"):
         dataclasses.replace(QWEN3, runtime=RuntimePolicy(tolerances={"err": 1.0}, tolerance_reason="why"))
+
+
+class SeesPrecision(Stage):
+    name = "sees_precision"
+    title = "Reports the float32 dot precision Triton would compile with."
+    order = 1
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        default = os.environ.get(TRITON_FP32_DEFAULT, "tf32")
+        return StageResult(self.name, Status.PASS, default, metrics={"triton_fp32": default})
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("fp32", "ieee"), ("bf16", "tf32"), (None, "tf32")])
+def test_an_fp32_check_runs_its_stages_without_tf32(ctx, monkeypatch, dtype, expected):
+    monkeypatch.delenv(TRITON_FP32_DEFAULT, raising=False)
+    ctx.dtype = dtype
+    report = run_checks(ctx, [SeesPrecision])
+    assert report.results[0].metrics["triton_fp32"] == expected
+    assert TRITON_FP32_DEFAULT not in os.environ

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import platform
 import time
@@ -149,10 +148,9 @@ def run_checks(
         environment=environment(),
     )
     done: dict[str, StageResult] = {}
-    # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (the bf16 default keeps the trainer's math).
-    precision = exact_fp32() if ctx.dtype == "fp32" else contextlib.nullcontext()
     try:
-        with precision:
+        # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
+        with exact_fp32(ctx.dtype == "fp32"):
             for stage_cls in stages:
                 with MemoryProbe() as memory:
                     start = time.perf_counter()

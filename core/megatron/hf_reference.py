@@ -19,7 +19,6 @@ common MoE interface), so it does not matter whether the router or the block its
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -219,9 +218,8 @@ class StreamedReference:
             target = None if replay is None else replay[position]
             hook = _experts_hook(name, seen, captures if routers else None, target)
             handles.append(experts.register_forward_pre_hook(hook, with_kwargs=True))
-        precision = exact_fp32() if self.dtype == torch.float32 else contextlib.nullcontext()
         try:
-            with precision:
+            with exact_fp32(self.dtype == torch.float32):
                 out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
         finally:
             for handle in handles:
