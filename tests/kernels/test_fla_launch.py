@@ -114,3 +114,62 @@ def test_a_setting_that_does_not_fit_falls_back_to_the_tuned_one() -> None:
     for _ in range(2):
         kernel((16,), {"BV": 16, "num_warps": 4, "num_stages": 3}, k=torch.zeros(2), K=128)
     assert launches == ["fixed BV=16 grid=(16,)", "through the autotuner, K=128", "tuned setting, K=128"]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs CUDA")
+def test_plans_launch_the_compiled_kernel_for_each_specialisation(tmp_path: Path) -> None:
+    """On a GPU a second call fingerprinted like an earlier one launches that call's compiled kernel directly.
+    A tensor at an address that is not 16-byte aligned, another length or a missing bias is another
+    specialisation: a new plan, and every result right."""
+    import torch
+    import triton
+
+    from model_support.kernels._fla_launch import TunedKernel
+
+    (tmp_path / "plan_kernel.py").write_text(textwrap.dedent(KERNEL))  # Triton reads a kernel's source file
+    spec = importlib.util.spec_from_file_location("plan_kernel", tmp_path / "plan_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = TunedKernel(module.scale_kernel)
+    jit_runs = []
+    original = kernel._jit.run
+    kernel._jit.run = lambda *a, **k: (jit_runs.append(k["N"]), original(*a, **k))[1]
+    base = torch.randn(4100, device="cuda")
+    plans = []
+    calls = ((0, 40, True), (16, 40, True), (1, 40, True), (1, 40, True), (0, 40, False), (0, 100, True))
+    for offset, n, bias in calls:
+        x = base[offset : offset + n]
+        b = torch.randn(n, device="cuda") if bias else None
+        y = torch.empty(n, device="cuda")
+        kernel(lambda meta, n=n: (triton.cdiv(n, meta["BLOCK"]),), x=x, y=y, b=b, s=2.0, N=n)
+        torch.testing.assert_close(y, x * 2.0 + (b if bias else 0), rtol=0, atol=0)
+        plans.append((len(kernel._plans), len(jit_runs)))
+    # The first call goes through the autotuner (one config: one run, no plan); aligned again -> a run, plan 1;
+    # unaligned -> a run, plan 2; unaligned again -> plan 2, no run; no bias and another length are other
+    # tuning keys: the autotuner again.
+    assert plans == [(0, 1), (1, 2), (2, 3), (2, 3), (2, 4), (2, 5)]
+
+
+def test_a_launch_hook_sends_every_launch_through_triton() -> None:
+    """A profiler's launch hook (Triton calls it from its own launch path) turns the direct launch off."""
+    from triton import knobs
+
+    from model_support.kernels._fla_launch import _launch_hooks
+
+    def hook(metadata: object) -> None:
+        pass
+
+    assert not _launch_hooks()
+    chain = knobs.runtime.launch_enter_hook
+    try:
+        chain.add(hook)
+        assert _launch_hooks()
+    finally:
+        chain.remove(hook)
+    assert not _launch_hooks()
