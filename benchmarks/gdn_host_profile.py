@@ -1,9 +1,9 @@
 """Where the host's time goes in one fla-hybrid fwd+bwd: cProfile over shared-prefix and naive packing.
 
 Run like ``gdn_benchmark.py`` (CUDA, project importable), as ``python -m benchmarks.gdn_host_profile``.
-First it prints the host's cost of one launch of a small kernel (fla's chunk-local cumsum over 16
-chunks) as fla's host function issues it and as fla-hybrid does
-(:class:`model_support.kernels._fla_launch.TunedKernel`). Then, for each case (G=8 completions of
+First it prints the host's cost of one launch of a small kernel (a chunk-local cumsum over 16
+chunks) as fla's host function issues it and as fla-hybrid does (its fused forward start without
+l2norm, launched by :class:`model_support.kernels._fla_launch.TunedKernel`). Then, for each case (G=8 completions of
 512 tokens over a 2048-token prompt, 16 heads x 128, bf16), how long one fwd+bwd step takes the host
 to issue and the GPU to finish (``--trace``: a Chrome trace of each), and the Python functions with
 the most own and cumulative time over ``--steps`` steps under cProfile.
@@ -66,14 +66,16 @@ def launch_cost() -> None:
     from fla.ops.utils.cumsum import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from model_support.kernels._fla_hybrid import _cumsum, _index
+    from model_support.kernels._fla_hybrid import _index
+    from model_support.kernels._gdn_ends import forward_start
 
     cu = cu_from_lengths([512, 512]).long()
     g = torch.randn(1, 1024, 16, device=DEVICE)
+    qk = torch.randn(1, 1024, 16, 128, device=DEVICE)
     index = _index(cu, False)
     chunks = prepare_chunk_indices(cu, 64)
     fla_us = host_us(lambda: chunk_local_cumsum(g, 64, cu_seqlens=cu, chunk_indices=chunks))
-    ours_us = host_us(lambda: _cumsum(g, index))
+    ours_us = host_us(lambda: forward_start(qk, qk, g, 1.0, False, index.cu_seqlens, index.chunk_indices))
     empty_us = host_us(lambda: torch.empty_like(g))
     print(f"host cost of one chunk-local cumsum: fla {fla_us:.1f} us, fla-hybrid {ours_us:.1f} us", flush=True)
     print(f"(torch.empty_like of its output alone: {empty_us:.1f} us)", flush=True)

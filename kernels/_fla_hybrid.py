@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from model_support.kernels._fla_launch import TunedKernel
+from model_support.kernels._gdn_ends import backward_end, forward_start
 from model_support.kernels._memo import while_alive
 
 CHUNK = 64
@@ -142,7 +143,8 @@ def chunk_bwd_dqkwg(
     cu_seqlens: torch.Tensor,
     chunk_indices: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same inputs and outputs as fla 0.6's gated ``chunk_bwd_dqkwg`` (packed ``B = 1``, varlen)."""
+    """Same inputs and outputs as fla 0.6's gated ``chunk_bwd_dqkwg`` (packed ``B = 1``, varlen), but ``dq`` and
+    ``dk`` per value head ``[1, T, HV, K]`` (:func:`~model_support.kernels._gdn_ends.backward_end` sums them)."""
     _, total, heads, k_dim = k.shape
     v_heads, v_dim = v.shape[2], v.shape[-1]
     if k_dim > 256:
@@ -159,9 +161,6 @@ def chunk_bwd_dqkwg(
         chunk_indices=chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
         BK=block_k, BV=block_v,
     )  # fmt: skip
-    if heads != v_heads:
-        dq = dq.view(1, total, heads, v_heads // heads, k_dim).sum(3)
-        dk = dk.view(1, total, heads, v_heads // heads, k_dim).sum(3)
     return dq, dk, dw, dg
 
 
@@ -169,7 +168,6 @@ def chunk_bwd_dqkwg(
 def _fla() -> SimpleNamespace:
     """fla's kernels as :class:`TunedKernel` (fla is imported on first use: it is optional) and the block
     sizes fla's host functions derive from the GPU's shared memory."""
-    from fla.modules.norm.l2norm import l2norm_bwd_kernel, l2norm_fwd_kernel
     from fla.ops.common.chunk_delta_h import (
         chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64,
         chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
@@ -178,13 +176,9 @@ def _fla() -> SimpleNamespace:
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd_kernel, recompute_w_u_fwd_kernel
     from fla.ops.utils.constant import RCP_LN2
-    from fla.ops.utils.cumsum import chunk_local_cumsum_scalar_kernel
     from fla.utils import check_shared_mem
 
     return SimpleNamespace(
-        l2norm_fwd=TunedKernel(l2norm_fwd_kernel),
-        l2norm_bwd=TunedKernel(l2norm_bwd_kernel),
-        cumsum=TunedKernel(chunk_local_cumsum_scalar_kernel),
         kkt_solve=TunedKernel(chunk_gated_delta_rule_fwd_kkt_solve_kernel),
         w_u=TunedKernel(recompute_w_u_fwd_kernel),
         fwd_h=TunedKernel(chunk_gated_delta_rule_fwd_kernel_h_blockdim64),
@@ -250,41 +244,9 @@ def _index(cu: torch.Tensor, shared_prompt: bool) -> _Index:
     return _Index(cu, chunk_indices, (prompt, _Phase(cu[1:], offsets[1:])), together)
 
 
-# fla 0.6's host functions, each reduced to its allocations and its launch (fla.modules.norm.l2norm,
-# fla.ops.utils.cumsum, fla.ops.gated_delta_rule.chunk_fwd and wy_fast, fla.ops.common.chunk_o), for
-# packed B = 1 input with 64-token chunks on a GPU where the fused kkt + solve kernel runs.
-
-
-def _l2norm(kernel: TunedKernel, rows_of: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Launch fla's row-wise l2norm kernel (forward or backward) over ``rows_of``'s rows of its last dimension."""
-    rows, dim = rows_of.numel() // rows_of.shape[-1], rows_of.shape[-1]
-    kernel(
-        lambda meta: (triton.cdiv(rows, meta["BT"]),), **tensors, eps=1e-6, T=rows, D=dim,
-        BD=triton.next_power_of_2(dim), NB=triton.cdiv(rows, 2048 * 32),
-    )  # fmt: skip
-
-
-def _l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    y, rstd = torch.empty_like(x), torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    _l2norm(_fla().l2norm_fwd, x, x=x, y=y, rstd=rstd)
-    return y, rstd
-
-
-def _l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    dx = torch.empty_like(y)
-    _l2norm(_fla().l2norm_bwd, y, y=y, rstd=rstd, dy=dy, dx=dx)
-    return dx
-
-
-def _cumsum(g: torch.Tensor, index: _Index, scale: float | None = None, reverse: bool = False) -> torch.Tensor:
-    """Cumulative sum of ``g`` inside each chunk (float32), times ``scale``; ``reverse``: from each chunk's end."""
-    _, total, heads = g.shape
-    out = torch.empty_like(g, dtype=torch.float32)
-    _fla().cumsum(
-        (index.n_chunks * heads,), s=g, o=out, scale=scale, cu_seqlens=index.cu_seqlens,
-        chunk_indices=index.chunk_indices, T=total, B=1, H=heads, BT=CHUNK, REVERSE=reverse, USE_GRAPH=False,
-    )  # fmt: skip
-    return out
+# fla 0.6's host functions, each reduced to its allocations and its launch (fla.ops.gated_delta_rule.chunk_fwd
+# and wy_fast, fla.ops.common.chunk_o), for packed B = 1 input with 64-token chunks on a GPU where the fused
+# kkt + solve kernel runs. fla's l2norm and chunk-local cumsum launches are fused in _gdn_ends.
 
 
 def _kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, index: _Index) -> torch.Tensor:
@@ -358,7 +320,7 @@ def _wy_bwd(
     du: torch.Tensor,
     index: _Index,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of k, v, beta and g through the WY representation."""
+    """Gradients of k (per value head), v, beta and g through the WY representation."""
     _, total, heads, k_dim = k.shape
     v_heads, v_dim = v.shape[2], v.shape[3]
     tile = _fla().wy_bwd_tile
@@ -369,8 +331,6 @@ def _wy_bwd(
         cu_seqlens=index.cu_seqlens, chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim,
         V=v_dim, BT=CHUNK, BK=_tile(k_dim, tile), BV=_tile(v_dim, tile),
     )  # fmt: skip
-    if heads != v_heads:  # per value head -> per key head
-        dk = dk.view(1, total, heads, v_heads // heads, k_dim).sum(3)
     return dk, dv, db, dg
 
 
@@ -493,20 +453,18 @@ class FlaHybrid(torch.autograd.Function):
         # fla's kernels index with contiguous strides (fla's own Function makes every input contiguous).
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         initial_state = None if initial_state is None else initial_state.contiguous()
-        q_rstd = k_rstd = None
-        if use_qk_l2norm:
-            q, q_rstd = _l2norm_fwd(q)
-            k, k_rstd = _l2norm_fwd(k)
         index = _index(cu_seqlens, shared_prompt)
         # As fla 0.6's chunk_gated_delta_rule_fwd composes these, with the recurrence in phases.
-        g = _cumsum(g, index, scale=_fla().rcp_ln2)
+        q, q_rstd, k, k_rstd, g = forward_start(
+            q, k, g, _fla().rcp_ln2, use_qk_l2norm, index.cu_seqlens, index.chunk_indices
+        )
         a = _kkt_solve(k, g, beta, index)
         w, u = _recompute_w_u(k, v, beta, a, g, index)
         starts = _initial_states(initial_state, k, u, index)
         h, v_new, final_state = _fwd_h(k, w, u, g, starts, output_final_state, index.phases, index.n_chunks)
         o = _fwd_o(q, k, v_new, h, g, scale, index)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, starts)
-        ctx.index, ctx.scale, ctx.use_qk_l2norm, ctx.want_dh0 = index, scale, use_qk_l2norm, initial_state is not None
+        ctx.index, ctx.scale, ctx.want_dh0 = index, scale, initial_state is not None
         return o.to(q.dtype), final_state
 
     @staticmethod
@@ -526,10 +484,6 @@ class FlaHybrid(torch.autograd.Function):
         cu, chunks = index.cu_seqlens, index.chunk_indices
         dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
         dk_wy, dv, db, dg_wy = _wy_bwd(k, v, beta, g, a, dw, dv, index)
-        dk += dk_wy
-        dg = _cumsum(dg.add_(dg_wy), index, reverse=True)
-        if ctx.use_qk_l2norm:
-            dq = _l2norm_bwd(q, q_rstd, dq)
-            dk = _l2norm_bwd(k, k_rstd, dk)
+        dq, dk, dg = backward_end(dq, dk, dk_wy, dg, dg_wy, q, k, q_rstd, k_rstd, ctx.dtypes[3], cu, chunks)
         grads = (x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, db), ctx.dtypes, strict=True))
         return *grads, None, dh0, None, None, None, None
