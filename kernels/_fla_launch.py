@@ -61,10 +61,10 @@ def _launch_hooks() -> bool:
 
 def _fingerprint(value: Any) -> Any:
     """What Triton specialises a kernel on, or finer: a tensor's dtype, device kind and 16-byte alignment,
-    any other argument's value itself."""
+    any other argument's type and value (``True``, ``1`` and ``1.0`` are equal keys, not equal kernels)."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.is_cuda, value.data_ptr() % 16 == 0
-    return value
+    return type(value), value
 
 
 class TunedKernel:

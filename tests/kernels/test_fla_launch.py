@@ -173,3 +173,16 @@ def test_a_launch_hook_sends_every_launch_through_triton() -> None:
     finally:
         chain.remove(hook)
     assert not _launch_hooks()
+
+
+def test_fingerprints_tell_argument_types_apart() -> None:
+    """``True``, ``1`` and ``1.0`` hash and compare equal, but Triton compiles a kernel apart for each type."""
+    import torch
+
+    from model_support.kernels._fla_launch import _fingerprint
+
+    assert len({_fingerprint(True), _fingerprint(1), _fingerprint(1.0)}) == 3
+    x = torch.zeros(8)
+    assert _fingerprint(x) == _fingerprint(torch.ones(8))
+    assert _fingerprint(x[1:]) != _fingerprint(x)  # 4 bytes in: not 16-byte aligned
+    assert _fingerprint(x.double()) != _fingerprint(x)
