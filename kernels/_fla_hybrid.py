@@ -5,7 +5,8 @@ compiler mis-lowers a ``tl.dot`` whose operand is the transpose of another ``tl.
 (fla issue #640). Every other kernel of fla's forward and backward is unaffected. This module runs
 fla's forward and backward as fla composes them, with that one kernel replaced by
 :func:`_dqkwg_kernel`, which computes the transposed score block with its own dot from loaded
-operands instead of transposing an accumulator.
+operands instead of transposing an accumulator, and the elementwise kernels at either end (l2norm,
+chunk-local cumsum) fused into one launch each (:mod:`~model_support.kernels._gdn_ends`).
 
 The composition follows fla 0.6.x (``fla.ops.gated_delta_rule.chunk``); :mod:`backend` only picks
 this backend for those versions, and the GPU benchmark checks it against the float64 recurrence.
