@@ -450,7 +450,7 @@ class FlaHybrid(torch.autograd.Function):
         use_qk_l2norm: bool,
         shared_prompt: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+        ctx.g_dtype = g.dtype  # g's gradient is written in it; the others come out in their inputs' dtypes
         # fla's kernels index with contiguous strides (fla's own Function makes every input contiguous).
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         initial_state = None if initial_state is None else initial_state.contiguous()
@@ -485,6 +485,5 @@ class FlaHybrid(torch.autograd.Function):
         cu, chunks = index.cu_seqlens, index.chunk_indices
         dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
         dk_wy, dv, db, dg_wy = _wy_bwd(k, v, beta, g, a, dw, dv, index)
-        dq, dk, dg = backward_end(dq, dk, dk_wy, dg, dg_wy, q, k, q_rstd, k_rstd, ctx.dtypes[3], cu, chunks)
-        grads = (x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, db), ctx.dtypes, strict=True))
-        return *grads, None, dh0, None, None, None, None
+        dq, dk, dg = backward_end(dq, dk, dk_wy, dg, dg_wy, q, k, q_rstd, k_rstd, ctx.g_dtype, cu, chunks)
+        return dq, dk, dv, dg, db, None, dh0, None, None, None, None

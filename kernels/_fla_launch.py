@@ -74,7 +74,7 @@ class TunedKernel:
     The tuning key is the autotuner's own: its ``key`` arguments and the dtype of every tensor argument. Each
     launch through ``JITFunction.run`` (which picks or compiles the kernel for its arguments' specialisation)
     leaves a plan keyed by the arguments' fingerprint (:func:`_fingerprint`: every argument that is not a
-    tensor by value, every tensor by what Triton specialises it on), and a later call fingerprinted alike
+    tensor by type and value, every tensor by what Triton specialises it on), and a later call fingerprinted alike
     launches that plan's compiled kernel directly. Arguments other than tensors must be hashable. Under
     Triton's CPU interpreter, or with Triton's launch hooks set (a profiler), every launch goes through
     ``run``.
