@@ -10,10 +10,12 @@ chunk-local cumsum) fused into one launch each (:mod:`~model_support.kernels._gd
 
 The composition follows fla 0.6.x (``fla.ops.gated_delta_rule.chunk``); :mod:`backend` only picks
 this backend for those versions, and the GPU benchmark checks it against the float64 recurrence.
-fla's host functions are not called: each is reduced here to its allocations and one launch of its
-kernel through :class:`~model_support.kernels._fla_launch.TunedKernel`, which skips fla's backend
-dispatch, input guards and autotuner wrappers once a kernel is tuned (the host's cost of a step, not
-its GPU work, is what bounds a shared-prefix step; docs/benchmarks.md).
+fla's host functions are not called: each is reduced here to its buffers and one launch of its kernel,
+and a step's forward and backward are declared as two passes (:class:`_Step`,
+:mod:`~model_support.kernels._program`) per ``cu_seqlens`` and input signature: once their kernels are
+tuned and compiled, a pass allocates its workspaces and launches the compiled kernels with no fla or
+Triton Python in between (the host's cost of a step, not its GPU work, is what bounds a shared-prefix
+step; docs/benchmarks.md).
 fla keeps the cumulative decay in log2 units (``exp2``); the kernel below uses the same convention
 so its ``dg`` is what fla's own kernel returns.
 """
@@ -29,8 +31,9 @@ import triton
 import triton.language as tl
 
 from model_support.kernels._fla_launch import TunedKernel
-from model_support.kernels._gdn_ends import backward_end, forward_start
+from model_support.kernels._gdn_ends import Arg, backward_end, forward_start
 from model_support.kernels._memo import while_alive
+from model_support.kernels._program import Buffer, Launch, Layout, Pass, Ref, TorchOp
 
 CHUNK = 64
 NUM_WARPS = 8
@@ -130,39 +133,44 @@ def _dqkwg_kernel(
 _DQKWG = TunedKernel(_dqkwg_kernel)
 
 
+def _tile(dim: int, limit: int) -> int:
+    """A block size covering ``dim`` (a power of two, at least 16, at most ``limit``), as fla's host functions."""
+    return min(max(triton.next_power_of_2(dim), 16), limit)
+
+
 def chunk_bwd_dqkwg(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    w: torch.Tensor,
-    g: torch.Tensor,
-    h: torch.Tensor,
-    dv: torch.Tensor,
-    do: torch.Tensor,
-    dh: torch.Tensor,
+    q: Arg,
+    k: Arg,
+    v: Arg,
+    g: Arg,
+    h: Arg,
+    dv: Arg,
+    do: Arg,
+    dh: Arg,
+    dq: Arg,
+    dk: Arg,
+    dw: Arg,
+    dg: Arg,
     scale: float,
     cu_seqlens: torch.Tensor,
     chunk_indices: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same inputs and outputs as fla 0.6's gated ``chunk_bwd_dqkwg`` (packed ``B = 1``, varlen), but ``dq`` and
+    *,
+    total: int,
+    heads: int,
+    v_heads: int,
+    k_dim: int,
+    v_dim: int,
+) -> Launch:
+    """The launch of fla 0.6's gated ``chunk_bwd_dqkwg`` (packed ``B = 1``, varlen; ``v`` is the forward's
+    ``v_new``, ``dv`` the state recurrence's), writing ``dw`` and float32 ``dg`` as fla does but ``dq`` and
     ``dk`` per value head ``[1, T, HV, K]`` (:func:`~model_support.kernels._gdn_ends.backward_end` sums them)."""
-    _, total, heads, k_dim = k.shape
-    v_heads, v_dim = v.shape[2], v.shape[-1]
-    if k_dim > 256:
-        raise ValueError(f"fla-hybrid supports key head size up to 256, got {k_dim}")
-    dq = q.new_empty(1, total, v_heads, k_dim)
-    dk = k.new_empty(1, total, v_heads, k_dim)
-    dw = torch.empty_like(w)
-    dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    block_k = max(16, triton.next_power_of_2(k_dim))
-    block_v = _tile(v_dim, 64)
-    _DQKWG(
-        (chunk_indices.shape[0], v_heads), {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
-        q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
-        BK=block_k, BV=block_v,
+    return Launch(
+        _DQKWG, (chunk_indices.shape[0], v_heads), dict(
+            q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
+            BK=max(16, triton.next_power_of_2(k_dim)), BV=_tile(v_dim, 64),
+        ), {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
     )  # fmt: skip
-    return dq, dk, dw, dg
 
 
 @functools.cache
@@ -210,12 +218,14 @@ class _Phase(NamedTuple):
 class _Index(NamedTuple):
     """Everything derived from one ``cu_seqlens``: fla's chunk indices and how the state recurrence runs:
     ``phases`` one after another (forward; reversed in the backward), or every sequence ``together`` in one
-    launch once all initial states are known (the backward's recomputation of the forward's states)."""
+    launch once all initial states are known (the backward's recomputation of the forward's states); and the
+    steps declared over it (:class:`_Step`, one per signature of the inputs)."""
 
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
     phases: tuple[_Phase, ...]
     together: _Phase
+    steps: dict[_Signature, _Step]
 
     @property
     def n_chunks(self) -> int:
@@ -238,194 +248,271 @@ def _index(cu: torch.Tensor, shared_prompt: bool) -> _Index:
     chunk_indices = torch.stack([sequence, within], 1).to(cu)
     if not shared_prompt:
         whole = _Phase(cu, offsets)
-        return _Index(cu, chunk_indices, (whole,), whole)
+        return _Index(cu, chunk_indices, (whole,), whole, {})
     # The prompt's chunks set the pace whenever it runs, alone or beside its completions.
     prompt = _Phase(cu[:2], offsets[:2], prompt_paced=True)
     together = _Phase(cu, offsets, prompt_paced=True)
-    return _Index(cu, chunk_indices, (prompt, _Phase(cu[1:], offsets[1:])), together)
+    return _Index(cu, chunk_indices, (prompt, _Phase(cu[1:], offsets[1:])), together, {})
 
 
-# fla 0.6's host functions, each reduced to its allocations and its launch (fla.ops.gated_delta_rule.chunk_fwd
-# and wy_fast, fla.ops.common.chunk_o), for packed B = 1 input with 64-token chunks on a GPU where the fused
-# kkt + solve kernel runs. fla's l2norm and chunk-local cumsum launches are fused in _gdn_ends.
+class _Signature(NamedTuple):
+    """What a step is declared for, besides its index: the inputs' device, shapes and dtypes (the initial
+    state's None without one) and the options; every launch's arguments but the tensors follow from these."""
+
+    device: int
+    total: int
+    heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    dtypes: tuple[torch.dtype | None, ...]
+    """q, k, v, g, beta, initial state."""
+    scale: float
+    l2norm: bool
+    final_state: bool
+    prompt_config: tuple[int, int, int] | None
 
 
-def _kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, index: _Index) -> torch.Tensor:
-    """``(I + A)^-1`` of every chunk (fla's fused kkt + solve_tril), ``[1, T, HV, 64]``."""
-    _, total, heads, k_dim = k.shape
-    v_heads = beta.shape[2]
-    a = torch.zeros(1, total, v_heads, CHUNK, device=k.device, dtype=k.dtype)
-    _fla().kkt_solve(
-        (index.n_chunks, v_heads), k=k, g=g, beta=beta, A=a, cu_seqlens=index.cu_seqlens,
-        chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim, BT=CHUNK, BC=16,
-    )  # fmt: skip
-    return a
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src.expand_as(dst))
 
 
-def _recompute_w_u(
-    k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, a: torch.Tensor, g: torch.Tensor, index: _Index
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _, total, heads, k_dim = k.shape
-    v_heads, v_dim = v.shape[2], v.shape[3]
-    w, u = k.new_empty(1, total, v_heads, k_dim), torch.empty_like(v)
-    _fla().w_u(
-        (index.n_chunks, v_heads), k=k, v=v, beta=beta, w=w, u=u, A=a, g=g, cu_seqlens=index.cu_seqlens,
-        chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK, BK=64, BV=64,
-    )  # fmt: skip
-    return w, u
+def _sum_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    torch.sum(src, 0, keepdim=True, out=dst)
 
 
-def _fwd_o(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, g: torch.Tensor, scale: float, index: _Index
-) -> torch.Tensor:
-    _, total, heads, k_dim = q.shape
-    v_heads, v_dim = v.shape[2], v.shape[3]
-    o = torch.empty_like(v)
-    n_chunks = index.n_chunks
-    grid = lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_chunks, v_heads)  # noqa: E731
-    _fla().fwd_o(
-        grid, q=q, k=k, v=v, h=h, g=g, g_gamma=None, o=o, cu_seqlens=index.cu_seqlens,
-        chunk_indices=index.chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
-        STATE_V_FIRST=False,
-    )  # fmt: skip
-    return o
+class _Step:
+    """fla 0.6's ``chunk_gated_delta_rule`` forward and backward (``fla.ops.gated_delta_rule.chunk``, with
+    ``chunk_fwd``, ``wy_fast``, ``fla.ops.common.chunk_delta_h`` and ``chunk_o``) for packed ``B = 1`` input
+    with 64-token chunks on a GPU where the fused kkt + solve kernel runs: fla's host functions reduced to
+    their buffers and launches and declared as two passes (:mod:`~model_support.kernels._program`), with the
+    state recurrence in phases, :func:`chunk_bwd_dqkwg` in the backward and the fused ends.
 
-
-def _tile(dim: int, limit: int) -> int:
-    """A block size covering ``dim`` (a power of two, at least 16, at most ``limit``), as fla's host functions."""
-    return min(max(triton.next_power_of_2(dim), 16), limit)
-
-
-def _dv_local(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: float, index: _Index
-) -> torch.Tensor:
-    _, total, heads, k_dim = k.shape
-    v_heads, v_dim = do.shape[2], do.shape[3]
-    tile = _fla().dv_local_tile
-    dv = torch.empty_like(do)
-    _fla().dv_local(
-        (index.n_chunks, v_heads), q=q, k=k, g=g, g_gamma=None, A=None, do=do, dv=dv, cu_seqlens=index.cu_seqlens,
-        chunk_indices=index.chunk_indices, scale=scale, T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim, BT=CHUNK,
-        BK=_tile(k_dim, tile), BV=_tile(v_dim, tile),
-    )  # fmt: skip
-    return dv
-
-
-def _wy_bwd(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor,
-    a: torch.Tensor,
-    dw: torch.Tensor,
-    du: torch.Tensor,
-    index: _Index,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of k (per value head), v, beta and g through the WY representation."""
-    _, total, heads, k_dim = k.shape
-    v_heads, v_dim = v.shape[2], v.shape[3]
-    tile = _fla().wy_bwd_tile
-    dk, dv = k.new_empty(1, total, v_heads, k_dim), torch.empty_like(v)
-    dg, db = torch.empty_like(g), torch.empty_like(beta)
-    _fla().wy_bwd(
-        (index.n_chunks, v_heads), k=k, v=v, beta=beta, g=g, A=a, dw=dw, du=du, dk=dk, dv=dv, db=db, dg=dg,
-        cu_seqlens=index.cu_seqlens, chunk_indices=index.chunk_indices, T=total, H=heads, HV=v_heads, K=k_dim,
-        V=v_dim, BT=CHUNK, BK=_tile(k_dim, tile), BV=_tile(v_dim, tile),
-    )  # fmt: skip
-    return dk, dv, db, dg
-
-
-def _launch(kernel: TunedKernel, phase: _Phase, v_heads: int, v_dim: int, **args: Any) -> None:
-    """Launch one of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence,
-    value head and value block), with :data:`PROMPT_PHASE_CONFIG` where a prompt sets the pace (Triton refuses
-    a setting that needs more shared memory than the GPU has, as float32 inputs may, and the tuned one runs)."""
-    n_seq = phase.cu_seqlens.numel() - 1
-    args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
-    setting = None
-    if phase.prompt_paced and PROMPT_PHASE_CONFIG is not None:
-        block_v, warps, stages = PROMPT_PHASE_CONFIG
-        setting = {"BV": block_v, "num_warps": warps, "num_stages": stages}
-    kernel(lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,), setting, **args)
-
-
-def _initial_states(h0: torch.Tensor | None, k: torch.Tensor, u: torch.Tensor, index: _Index) -> torch.Tensor | None:
-    """The initial state of every sequence: ``h0``, or for a shared prompt ``[prompt's h0 (zeros if none),
-    then one row per completion]``, the completions' rows filled in by :func:`_fwd_h`."""
-    if len(index.phases) == 1:
-        return h0
-    shape = (index.together.cu_seqlens.numel() - 1, u.shape[2], k.shape[-1], u.shape[-1])
-    if h0 is None:
-        return k.new_zeros(shape, dtype=torch.float32)
-    states = k.new_empty(shape, dtype=torch.float32)
-    states[0] = h0[0]
-    return states
-
-
-def _fwd_h(
-    k: torch.Tensor,
-    w: torch.Tensor,
-    u: torch.Tensor,
-    g: torch.Tensor,
-    starts: torch.Tensor | None,
-    output_final_state: bool,
-    phases: tuple[_Phase, ...],
-    n_chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """fla's forward state recurrence (``chunk_gated_delta_rule_fwd_h``'s kernel), one launch per phase.
-
-    ``starts``: every sequence's initial state (:func:`_initial_states`). With two phases (prompt, then
-    completions), the prompt's final state is written into the completions' rows of ``starts`` before
-    they run. Returns per-chunk states, ``v_new`` and the final states of the last phase's sequences.
+    Buffers: ``saved`` (what the backward reads: normalised q and k with their rstds, g's chunk-local cumsum,
+    ``(I + A)^-1`` of each chunk and, for a shared prompt, every sequence's initial state), each pass's scratch
+    (``w``, ``u``, per-chunk states ``h``, ``v_new``; the backward's gradients on their way), and a tensor of
+    its own for each output.
     """
-    _, total, heads, k_dim = k.shape
-    v_heads, v_dim = u.shape[2], u.shape[3]
-    h = k.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
-    v_new = torch.empty_like(u)
-    args = {"k": k, "v": u, "w": w, "v_new": v_new, "g": g, "gk": None, "h": h, "T": total}
-    args.update(H=heads, HV=v_heads, K=k_dim, V=v_dim)
-    kernel = _fla().fwd_h
-    if len(phases) == 2:
-        prompt_final = k.new_empty(1, v_heads, k_dim, v_dim, dtype=torch.float32)
-        _launch(kernel, phases[0], v_heads, v_dim, h0=starts[:1], ht=prompt_final, **args)
-        starts[1:] = prompt_final
-        starts = starts[1:]
-    n_seq = phases[-1].cu_seqlens.numel() - 1
-    final = k.new_empty(n_seq, v_heads, k_dim, v_dim, dtype=torch.float32) if output_final_state else None
-    _launch(kernel, phases[-1], v_heads, v_dim, h0=starts, ht=final, **args)
-    return h, v_new, final
+
+    def __init__(self, index: _Index, sig: _Signature) -> None:
+        if sig.k_dim > 256:
+            raise ValueError(f"fla-hybrid supports key head size up to 256, got {sig.k_dim}")
+        self._index, self._sig = index, sig
+        q_dtype, k_dtype, v_dtype, _, _, h0_dtype = sig.dtypes
+        total, heads, v_heads, k_dim, v_dim = sig.total, sig.heads, sig.v_heads, sig.k_dim, sig.v_dim
+        n_seq, n_chunks = index.cu_seqlens.numel() - 1, index.n_chunks
+        self._shared = len(index.phases) == 2
+        self._dims = {"T": total, "H": heads, "HV": v_heads, "K": k_dim, "V": v_dim}
+        rows, key_rows = (1, total, v_heads), (1, total, heads)
+        state = (v_heads, k_dim, v_dim)
+        self._saved = [Buffer("g_c", rows, torch.float32), Buffer("a", (*rows, CHUNK), k_dtype, zero=True)]
+        if sig.l2norm:
+            self._saved += [
+                Buffer("q_n", (*key_rows, k_dim), q_dtype), Buffer("k_n", (*key_rows, k_dim), k_dtype),
+                Buffer("q_rstd", key_rows, torch.float32), Buffer("k_rstd", key_rows, torch.float32),
+            ]  # fmt: skip
+        if self._shared:
+            self._saved.append(Buffer("starts", (n_seq, *state), torch.float32, zero=h0_dtype is None))
+        self._scratch = [
+            Buffer("w", (*rows, k_dim), k_dtype), Buffer("u", (*rows, v_dim), v_dtype),
+            Buffer("h", (1, n_chunks, *state), k_dtype), Buffer("v_new", (*rows, v_dim), v_dtype),
+        ]  # fmt: skip
+        workspaces = {"saved": self._saved, "forward": self._scratch, "o": [Buffer("o", (*rows, v_dim), v_dtype)]}
+        if sig.final_state:
+            workspaces["final"] = [Buffer("final", (n_seq - self._shared, *state), torch.float32)]
+        self.forward = Pass(Layout(workspaces), list(workspaces), self._forward_ops())
+        self._backward: dict[bool, Pass] = {}
+
+    # Inputs and the saved buffers by name; q and k stand for their normalised copies without the l2norm.
+    def _qk(self) -> tuple[Ref, Ref]:
+        return (Ref("q_n"), Ref("k_n")) if self._sig.l2norm else (Ref("q"), Ref("k"))
+
+    def _starts(self) -> Ref:
+        return Ref("starts") if self._shared else Ref("h0")
+
+    def _wy(self) -> Launch:
+        """``w`` and ``u`` of every chunk (fla's ``recompute_w_u_fwd``)."""
+        index, (_, k) = self._index, self._qk()
+        return Launch(
+            _fla().w_u, (index.n_chunks, self._sig.v_heads), dict(
+                k=k, v=Ref("v"), beta=Ref("beta"), w=Ref("w"), u=Ref("u"), A=Ref("a"), g=Ref("g_c"),
+                cu_seqlens=index.cu_seqlens, chunk_indices=index.chunk_indices, **self._dims, BT=CHUNK, BK=64, BV=64,
+            ),
+        )  # fmt: skip
+
+    def _recurrence(self, kernel: TunedKernel, phase: _Phase, **args: Any) -> Launch:
+        """One of fla's state recurrence kernels over ``phase``'s sequences (one program per sequence, value
+        head and value block), with :data:`PROMPT_PHASE_CONFIG` where a prompt sets the pace (Triton refuses a
+        setting that needs more shared memory than the GPU has, as float32 inputs may, and the tuned one runs)."""
+        n_seq, v_heads, v_dim = phase.cu_seqlens.numel() - 1, self._sig.v_heads, self._sig.v_dim
+        args.update(cu_seqlens=phase.cu_seqlens, chunk_offsets=phase.chunk_offsets, BT=CHUNK, STATE_V_FIRST=False)
+        setting = None
+        if phase.prompt_paced and self._sig.prompt_config is not None:
+            block_v, warps, stages = self._sig.prompt_config
+            setting = {"BV": block_v, "num_warps": warps, "num_stages": stages}
+        grid = lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)  # noqa: E731
+        return Launch(kernel, grid, {**args, **self._dims}, setting)
+
+    def _states(self, phase: _Phase, h0: Ref, ht: Ref | None) -> Launch:
+        """The forward state recurrence (``chunk_gated_delta_rule_fwd_h``): per-chunk states and ``v_new``."""
+        _, k = self._qk()
+        return self._recurrence(
+            _fla().fwd_h, phase, k=k, v=Ref("u"), w=Ref("w"), v_new=Ref("v_new"), g=Ref("g_c"), gk=None, h=Ref("h"),
+            h0=h0, ht=ht,
+        )  # fmt: skip
+
+    def _forward_ops(self) -> list[Launch | TorchOp]:
+        index, sig = self._index, self._sig
+        cu, chunks = index.cu_seqlens, index.chunk_indices
+        dims = {"heads": sig.heads, "v_heads": sig.v_heads, "k_dim": sig.k_dim}
+        norm = (Ref("q_n"), Ref("k_n"), Ref("q_rstd"), Ref("k_rstd")) if sig.l2norm else (None,) * 4
+        ops: list[Launch | TorchOp] = [
+            forward_start(Ref("q"), Ref("k"), Ref("g"), *norm, Ref("g_c"), _fla().rcp_ln2, cu, chunks, **dims),
+            self._kkt_solve(),
+            self._wy(),
+        ]
+        final = Ref("final") if sig.final_state else None
+        if self._shared:
+            # The prompt's final state is written as the first completion's initial state, then copied to the rest.
+            if sig.dtypes[-1] is not None:
+                ops.append(TorchOp(_copy, (Ref("starts", 0, 1), Ref("h0"))))
+            ops.append(self._states(index.phases[0], Ref("starts", 0, 1), Ref("starts", 1, 2)))
+            if len(index.phases[1].cu_seqlens) > 2:
+                ops.append(TorchOp(_copy, (Ref("starts", 2), Ref("starts", 1, 2))))
+            ops.append(self._states(index.phases[1], Ref("starts", 1), final))
+        else:
+            ops.append(self._states(index.together, Ref("h0"), final))
+        ops.append(self._output())
+        return ops
+
+    def _kkt_solve(self) -> Launch:
+        """``(I + A)^-1`` of every chunk (fla's fused kkt + solve_tril) into the zeroed ``a``."""
+        index, sig, (_, k) = self._index, self._sig, self._qk()
+        return Launch(
+            _fla().kkt_solve, (index.n_chunks, sig.v_heads), dict(
+                k=k, g=Ref("g_c"), beta=Ref("beta"), A=Ref("a"), cu_seqlens=index.cu_seqlens,
+                chunk_indices=index.chunk_indices, T=sig.total, H=sig.heads, HV=sig.v_heads, K=sig.k_dim, BT=CHUNK,
+                BC=16,
+            ),
+        )  # fmt: skip
+
+    def _output(self) -> Launch:
+        """The output (fla's ``chunk_fwd_o``)."""
+        index, sig, (q, k) = self._index, self._sig, self._qk()
+        n_chunks, v_dim = index.n_chunks, sig.v_dim
+        return Launch(
+            _fla().fwd_o, lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_chunks, sig.v_heads), dict(
+                q=q, k=k, v=Ref("v_new"), h=Ref("h"), g=Ref("g_c"), g_gamma=None, o=Ref("o"),
+                cu_seqlens=index.cu_seqlens, chunk_indices=index.chunk_indices, scale=sig.scale, **self._dims,
+                BT=CHUNK, STATE_V_FIRST=False,
+            ),
+        )  # fmt: skip
+
+    def _dv_local(self) -> Launch:
+        """The values' gradient through the chunks' local attention (fla's ``chunk_bwd_dv_local``)."""
+        index, sig, (q, k) = self._index, self._sig, self._qk()
+        tile = _fla().dv_local_tile
+        return Launch(
+            _fla().dv_local, (index.n_chunks, sig.v_heads), dict(
+                q=q, k=k, g=Ref("g_c"), g_gamma=None, A=None, do=Ref("do"), dv=Ref("dv"), cu_seqlens=index.cu_seqlens,
+                chunk_indices=index.chunk_indices, scale=sig.scale, **self._dims, BT=CHUNK, BK=_tile(sig.k_dim, tile),
+                BV=_tile(sig.v_dim, tile),
+            ),
+        )  # fmt: skip
+
+    def _wy_backward(self) -> Launch:
+        """Gradients of k (per value head), v, beta and g through the WY representation (fla's
+        ``prepare_wy_repr_bwd``); v's and beta's are the step's."""
+        index, sig, (_, k) = self._index, self._sig, self._qk()
+        tile = _fla().wy_bwd_tile
+        return Launch(
+            _fla().wy_bwd, (index.n_chunks, sig.v_heads), dict(
+                k=k, v=Ref("v"), beta=Ref("beta"), g=Ref("g_c"), A=Ref("a"), dw=Ref("dw"), du=Ref("dv2"),
+                dk=Ref("dk_wy"), dv=Ref("dv_out"), db=Ref("db"), dg=Ref("dg_wy"), cu_seqlens=index.cu_seqlens,
+                chunk_indices=index.chunk_indices, **self._dims, BT=CHUNK, BK=_tile(sig.k_dim, tile),
+                BV=_tile(sig.v_dim, tile),
+            ),
+        )  # fmt: skip
+
+    def backward(self, with_dht: bool) -> Pass:
+        """The backward pass, given a gradient of the final states or not."""
+        if with_dht not in self._backward:
+            self._backward[with_dht] = self._declare_backward(with_dht)
+        return self._backward[with_dht]
+
+    def _declare_backward(self, with_dht: bool) -> Pass:
+        index, sig = self._index, self._sig
+        q_dtype, k_dtype, v_dtype, g_dtype, beta_dtype, h0_dtype = sig.dtypes
+        rows, key_rows = (1, sig.total, sig.v_heads), (1, sig.total, sig.heads)
+        state = (sig.v_heads, sig.k_dim, sig.v_dim)
+        n_seq, n_chunks = index.cu_seqlens.numel() - 1, index.n_chunks
+        scratch = [
+            *self._scratch,
+            Buffer("dv", (*rows, sig.v_dim), q_dtype), Buffer("dv2", (*rows, sig.v_dim), q_dtype),
+            Buffer("dh", (1, n_chunks, *state), q_dtype), Buffer("dq_v", (*rows, sig.k_dim), q_dtype),
+            Buffer("dk_v", (*rows, sig.k_dim), k_dtype), Buffer("dw", (*rows, sig.k_dim), k_dtype),
+            Buffer("dg_v", rows, torch.float32), Buffer("dk_wy", (*rows, sig.k_dim), k_dtype),
+            Buffer("dg_wy", rows, torch.float32),
+        ]  # fmt: skip
+        if self._shared:
+            scratch.append(Buffer("d_fanned", (n_seq - 1, *state), torch.float32))
+            scratch.append(Buffer("dht_p", (1, *state), torch.float32))
+        workspaces = {
+            "saved": self._saved,
+            "backward": scratch,
+            "dq": [Buffer("dq", (*key_rows, sig.k_dim), q_dtype)],
+            "dk": [Buffer("dk", (*key_rows, sig.k_dim), k_dtype)],
+            "dv_out": [Buffer("dv_out", (*rows, sig.v_dim), v_dtype)],
+            "db": [Buffer("db", rows, beta_dtype)],
+            "dg": [Buffer("dg", rows, g_dtype)],
+        }
+        want_dh0 = h0_dtype is not None
+        if want_dh0:
+            workspaces["dh0"] = [Buffer("dh0", (1 if self._shared else n_seq, *state), torch.float32)]
+        q, k = self._qk()
+        cu, chunks = index.cu_seqlens, index.chunk_indices
+        ops: list[Launch | TorchOp] = [
+            self._wy(),
+            # Every initial state is known now, so recomputing the states takes one launch, a shared prompt's
+            # completions running beside the prompt instead of after it.
+            self._states(index.together, self._starts(), None),
+            self._dv_local(),
+        ]
+        # The backward state recurrence (chunk_gated_delta_rule_bwd_dhu), phases last first: the completions'
+        # initial-state gradients, summed, are the gradient of the prompt's final state.
+        dhu = dict(
+            q=q, k=k, w=Ref("w"), g=Ref("g_c"), gk=None, do=Ref("do"), dh=Ref("dh"), dv=Ref("dv"), dv2=Ref("dv2"),
+            scale=sig.scale,
+        )  # fmt: skip
+        dht = Ref("dht") if with_dht else None
+        dh0 = Ref("dh0") if want_dh0 else None
+        if self._shared:
+            ops.append(self._recurrence(_fla().bwd_dhu, index.phases[1], dht=dht, dh0=Ref("d_fanned"), **dhu))
+            ops.append(TorchOp(_sum_rows, (Ref("dht_p"), Ref("d_fanned"))))
+            ops.append(self._recurrence(_fla().bwd_dhu, index.phases[0], dht=Ref("dht_p"), dh0=dh0, **dhu))
+        else:
+            ops.append(self._recurrence(_fla().bwd_dhu, index.together, dht=dht, dh0=dh0, **dhu))
+        dims = {"heads": sig.heads, "v_heads": sig.v_heads, "k_dim": sig.k_dim}
+        norm = (Ref("q_rstd"), Ref("k_rstd")) if sig.l2norm else (None, None)
+        ops += [
+            chunk_bwd_dqkwg(
+                q, k, Ref("v_new"), Ref("g_c"), Ref("h"), Ref("dv2"), Ref("do"), Ref("dh"), Ref("dq_v"), Ref("dk_v"),
+                Ref("dw"), Ref("dg_v"), sig.scale, cu, chunks, total=sig.total, v_dim=sig.v_dim, **dims,
+            ),
+            self._wy_backward(),
+            backward_end(
+                Ref("dq_v"), Ref("dk_v"), Ref("dk_wy"), Ref("dg_v"), Ref("dg_wy"), q, k, *norm, Ref("dq"), Ref("dk"),
+                Ref("dg"), cu, chunks, **dims,
+            ),
+        ]  # fmt: skip
+        return Pass(Layout(workspaces), [w for w in workspaces if w != "saved"], ops)
 
 
-def _bwd_dhu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    g: torch.Tensor,
-    starts: torch.Tensor | None,
-    want_dh0: bool,
-    dht: torch.Tensor | None,
-    do: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float,
-    phases: tuple[_Phase, ...],
-    n_chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """fla's backward state recurrence (``chunk_gated_delta_rule_bwd_dhu``'s kernel), phases last first:
-    the completions' initial-state gradients, summed, are the gradient of the prompt's final state.
-    Returns the per-chunk state gradients, the initial-state gradient (when ``want_dh0``) and ``dv``."""
-    _, total, heads, k_dim = q.shape
-    v_heads, v_dim = do.shape[2], do.shape[3]
-    dh = q.new_empty(1, n_chunks, v_heads, k_dim, v_dim)
-    dv2 = torch.empty_like(dv)
-    args = {"q": q, "k": k, "w": w, "g": g, "gk": None, "do": do, "dh": dh, "dv": dv, "dv2": dv2, "scale": scale}
-    args.update(T=total, H=heads, HV=v_heads, K=k_dim, V=v_dim)
-    kernel = _fla().bwd_dhu
-    if len(phases) == 2:
-        d_fanned = torch.empty_like(starts[1:])
-        _launch(kernel, phases[1], v_heads, v_dim, dht=dht, dh0=d_fanned, **args)
-        dht = d_fanned.sum(0, keepdim=True)
-    dh0 = torch.empty_like(starts[:1] if len(phases) == 2 else starts, dtype=torch.float32) if want_dh0 else None
-    _launch(kernel, phases[0], v_heads, v_dim, dht=dht, dh0=dh0, **args)
-    return dh, dh0, dv2
+def _step(index: _Index, sig: _Signature) -> _Step:
+    step = index.steps.get(sig)
+    if step is None:
+        step = index.steps[sig] = _Step(index, sig)
+    return step
 
 
 class FlaHybrid(torch.autograd.Function):
@@ -450,40 +537,31 @@ class FlaHybrid(torch.autograd.Function):
         use_qk_l2norm: bool,
         shared_prompt: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ctx.g_dtype = g.dtype  # g's gradient is written in it; the others come out in their inputs' dtypes
         # fla's kernels index with contiguous strides (fla's own Function makes every input contiguous).
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        initial_state = None if initial_state is None else initial_state.contiguous()
+        h0 = None if initial_state is None else initial_state.contiguous()
         index = _index(cu_seqlens, shared_prompt)
-        # As fla 0.6's chunk_gated_delta_rule_fwd composes these, with the recurrence in phases.
-        q, q_rstd, k, k_rstd, g = forward_start(
-            q, k, g, _fla().rcp_ln2, use_qk_l2norm, index.cu_seqlens, index.chunk_indices
-        )
-        a = _kkt_solve(k, g, beta, index)
-        w, u = _recompute_w_u(k, v, beta, a, g, index)
-        starts = _initial_states(initial_state, k, u, index)
-        h, v_new, final_state = _fwd_h(k, w, u, g, starts, output_final_state, index.phases, index.n_chunks)
-        o = _fwd_o(q, k, v_new, h, g, scale, index)
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, a, starts)
-        ctx.index, ctx.scale, ctx.want_dh0 = index, scale, initial_state is not None
-        return o.to(q.dtype), final_state
+        _, total, heads, k_dim = q.shape
+        dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, None if h0 is None else h0.dtype)
+        sig = _Signature(
+            q.get_device(), total, heads, v.shape[2], k_dim, v.shape[3], dtypes, scale, use_qk_l2norm,
+            output_final_state, PROMPT_PHASE_CONFIG,
+        )  # fmt: skip
+        step = _step(index, sig)
+        env = step.forward({"q": q, "k": k, "v": v, "g": g, "beta": beta, "h0": h0}, q.device)
+        # The normalised q and k are saved; without the l2norm the inputs are. The shared prompt's own initial
+        # state is copied into the saved buffers.
+        qk = (None, None) if use_qk_l2norm else (q, k)
+        ctx.save_for_backward(env["saved"], *qk, v, beta, None if shared_prompt else h0)
+        ctx.step = step
+        return env["o"].to(q.dtype), env.get("final")
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, q_rstd, k, k_rstd, v, g, beta, a, starts = ctx.saved_tensors
+        saved, q, k, v, beta, h0 = ctx.saved_tensors
         # Autograd may hand in expanded gradients (stride 0, e.g. from ``final_state.sum()``).
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        index = ctx.index
-        # As fla 0.6's chunk_gated_delta_rule_bwd composes these, with our chunk_bwd_dqkwg. Every initial
-        # state is known now, so recomputing the states takes one launch, a shared prompt's completions
-        # running beside the prompt instead of after it.
-        w, u = _recompute_w_u(k, v, beta, a, g, index)
-        h, v_new, _ = _fwd_h(k, w, u, g, starts, False, (index.together,), index.n_chunks)
-        dv = _dv_local(q, k, g, do, ctx.scale, index)
-        dh, dh0, dv = _bwd_dhu(q, k, w, g, starts, ctx.want_dh0, dht, do, dv, ctx.scale, index.phases, index.n_chunks)
-        cu, chunks = index.cu_seqlens, index.chunk_indices
-        dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, v_new, w, g, h, dv, do, dh, ctx.scale, cu, chunks)
-        dk_wy, dv, db, dg_wy = _wy_bwd(k, v, beta, g, a, dw, dv, index)
-        dq, dk, dg = backward_end(dq, dk, dk_wy, dg, dg_wy, q, k, q_rstd, k_rstd, ctx.g_dtype, cu, chunks)
-        return dq, dk, dv, dg, db, None, dh0, None, None, None, None
+        inputs = {"saved": saved, "q": q, "k": k, "v": v, "beta": beta, "h0": h0, "do": do, "dht": dht}
+        env = ctx.step.backward(dht is not None)(inputs, do.device)
+        return env["dq"], env["dk"], env["dv_out"], env["dg"], env["db"], None, env.get("dh0"), None, None, None, None

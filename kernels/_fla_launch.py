@@ -27,7 +27,7 @@ PLANS_PER_KERNEL = 256
 """Launch plans a kernel keeps (one per fingerprint of its arguments: a new length makes a new one)."""
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """How to launch a compiled kernel again for arguments fingerprinted alike (:func:`_fingerprint`)."""
 
     run: Callable[..., Any]
@@ -41,19 +41,23 @@ class _Plan(NamedTuple):
     meta: dict[str, Any]
     """Every argument but the tensors, and the setting: what a callable grid reads."""
 
+    def grid_for(self, grid: Grid, args: dict[str, Any]) -> tuple[int, int, int]:
+        """``grid`` for ``args`` under this plan's setting, as three dimensions."""
+        if callable(grid):
+            grid = grid({**self.meta, **args})
+        x, y, z = (*grid, 1, 1)[:3]
+        return x, y, z
+
     def launch(self, grid: Grid, args: dict[str, Any], stream: int) -> None:
         values = self.values.copy()
         for position, name in self.tensors:
             # Addresses, not tensors: Triton's launcher asks the driver (cuPointerGetAttribute) to translate
             # every tensor's address, which for device memory is the address itself.
             values[position] = args[name].data_ptr()
-        if callable(grid):
-            grid = grid({**self.meta, **args})
-        x, y, z = (*grid, 1, 1)[:3]
-        self.run(x, y, z, stream, self.function, self.metadata, None, None, None, *values)
+        self.run(*self.grid_for(grid, args), stream, self.function, self.metadata, None, None, None, *values)
 
 
-def _launch_hooks() -> bool:
+def launch_hooks() -> bool:
     """Whether a launch hook (a profiler's) is set: Triton's own launch path calls it with each launch."""
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)  # a HookChain, or one hook
@@ -97,48 +101,50 @@ class TunedKernel:
         self._keys: list[str] = self._autotuner.keys if self._autotuner is not None else []
         self._settings: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._unfit: set[tuple[Any, ...]] = set()
-        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}
 
-    def __call__(self, grid: Grid, setting: dict[str, Any] | None = None, **args: Any) -> None:
+    def __call__(self, grid: Grid, setting: dict[str, Any] | None = None, **args: Any) -> Plan | None:
         """Launch over ``grid``. ``setting`` (launch parameters and block sizes the autotuner would choose,
         e.g. ``{"BV": 16, "num_warps": 4, "num_stages": 3}``) overrides the tuned one; where it needs more
-        shared memory than the GPU has, Triton refuses it before it runs and the tuned setting is used."""
+        shared memory than the GPU has, Triton refuses it before it runs and the tuned setting is used.
+        Returns the plan of this launch (None where it went through the autotuner or has no plan)."""
         for name, rule in self._rules:
             args[name] = rule(args)
         call = None
-        if getattr(self._jit, "device_caches", None) is not None and not _launch_hooks():
+        if getattr(self._jit, "device_caches", None) is not None and not launch_hooks():
             device = driver.active.get_current_device()
             call = (device, None if setting is None else tuple(setting.items()), tuple(args))
             call += tuple(map(_fingerprint, args.values()))
             plan = self._plans.get(call)
             if plan is not None:
                 plan.launch(grid, args, driver.active.get_current_stream(device))
-                return
+                return plan
         key = (*(args.get(n) for n in self._keys), *(a.dtype for a in args.values() if isinstance(a, torch.Tensor)))
         if setting is not None:
             site = (key, *setting.items())
             if site not in self._unfit:
                 try:
-                    self._launch(call, grid, args, setting)
-                    return
+                    return self._launch(call, grid, args, setting)
                 except OutOfResources:
                     self._unfit.add(site)
         tuned = self._settings.get(key)
         if tuned is not None:
-            self._launch(call, grid, args, tuned)
-            return
+            return self._launch(call, grid, args, tuned)
         for name, _ in self._rules:  # the heuristics run again inside the wrapper chain
             del args[name]
         self._kernel[grid](**args)
         config = self._autotuner.best_config if self._autotuner is not None else None
         if config is None or config.pre_hook is None:
             self._settings[key] = {} if config is None else config.all_kwargs()
+        return None
 
-    def _launch(self, call: tuple[Any, ...] | None, grid: Grid, args: dict[str, Any], setting: dict[str, Any]) -> None:
+    def _launch(
+        self, call: tuple[Any, ...] | None, grid: Grid, args: dict[str, Any], setting: dict[str, Any]
+    ) -> Plan | None:
         """Launch through ``JITFunction.run`` with ``setting``; remember the compiled kernel as ``call``'s plan."""
         compiled = self._jit.run(grid=grid, warmup=False, **args, **setting)
         if call is None or compiled is None:
-            return
+            return None
         binder = self._jit.device_caches[call[0]][-1]  # Triton's argument binder, as JITFunction.run calls it
         bound = binder(**args, **setting)[0]
         tensors = tuple((i, n) for i, (n, v) in enumerate(bound.items()) if isinstance(v, torch.Tensor))
@@ -146,4 +152,6 @@ class TunedKernel:
         meta = {n: v for n, v in {**bound, **setting}.items() if not isinstance(v, torch.Tensor)}
         if len(self._plans) >= PLANS_PER_KERNEL:
             self._plans.clear()
-        self._plans[call] = _Plan(compiled.run, compiled.function, compiled.packed_metadata, values, tensors, meta)
+        plan = Plan(compiled.run, compiled.function, compiled.packed_metadata, values, tensors, meta)
+        self._plans[call] = plan
+        return plan

@@ -16,8 +16,12 @@ import triton
 import triton.language as tl
 
 from model_support.kernels._fla_launch import TunedKernel
+from model_support.kernels._program import Launch, Ref
 
 EPS = 1e-6  # fla's l2norm epsilon (fla.modules.l2norm)
+
+Arg = torch.Tensor | Ref
+"""A tensor, or inside a pass (:mod:`~model_support.kernels._program`) a reference to one."""
 
 
 @triton.jit
@@ -110,59 +114,61 @@ def _block(k_dim: int) -> int:
 
 
 def forward_start(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
+    q: Arg,
+    k: Arg,
+    g: Arg,
+    q_out: Arg | None,
+    k_out: Arg | None,
+    q_rstd: Arg | None,
+    k_rstd: Arg | None,
+    g_out: Arg,
     scale: float,
-    l2norm: bool,
     cu_seqlens: torch.Tensor,
     chunk_indices: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(q, its rstd, k, its rstd, g's chunk-local cumsum * scale in float32)``; q and k l2-normalised (in
-    their dtype, rstd float32 ``[1, T, H]``) when ``l2norm``, else the inputs and None. Packed ``[1, T, ...]``
-    input, 64-token chunks listed by fla's ``chunk_indices``."""
-    _, total, heads, k_dim = q.shape
-    v_heads = g.shape[2]
-    g_out = torch.empty_like(g, dtype=torch.float32)
-    q_out = k_out = q_rstd = k_rstd = None
-    if l2norm:
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        q_rstd = torch.empty(1, total, heads, dtype=torch.float32, device=q.device)
-        k_rstd = torch.empty_like(q_rstd)
-    _FORWARD_START(
-        (chunk_indices.shape[0], v_heads), q=q, k=k, g=g, q_out=q_out, k_out=k_out, q_rstd=q_rstd, k_rstd=k_rstd,
-        g_out=g_out, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, eps=EPS, H=heads,
-        HV=v_heads, K=k_dim, BT=64, BK=_block(k_dim), NORM=l2norm,
+    *,
+    heads: int,
+    v_heads: int,
+    k_dim: int,
+) -> Launch:
+    """The launch writing ``g_out``, g's chunk-local cumsum times ``scale`` (float32 ``[1, T, HV]``), and unless
+    ``q_out`` is None q and k l2-normalised (``q_out``, ``k_out`` in their dtype, ``q_rstd``, ``k_rstd`` float32
+    ``[1, T, H]``). Packed ``[1, T, ...]`` input, 64-token chunks listed by fla's ``chunk_indices``."""
+    return Launch(
+        _FORWARD_START, (chunk_indices.shape[0], v_heads), dict(
+            q=q, k=k, g=g, q_out=q_out, k_out=k_out, q_rstd=q_rstd, k_rstd=k_rstd, g_out=g_out, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, scale=scale, eps=EPS, H=heads, HV=v_heads, K=k_dim, BT=64, BK=_block(k_dim),
+            NORM=q_out is not None,
+        ),
     )  # fmt: skip
-    if not l2norm:
-        return q, None, k, None, g_out
-    return q_out, q_rstd, k_out, k_rstd, g_out
 
 
 def backward_end(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dk_wy: torch.Tensor,
-    dg: torch.Tensor,
-    dg_wy: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_rstd: torch.Tensor | None,
-    k_rstd: torch.Tensor | None,
-    g_dtype: torch.dtype,
+    dq: Arg,
+    dk: Arg,
+    dk_wy: Arg,
+    dg: Arg,
+    dg_wy: Arg,
+    q: Arg,
+    k: Arg,
+    q_rstd: Arg | None,
+    k_rstd: Arg | None,
+    dq_out: Arg,
+    dk_out: Arg,
+    dg_out: Arg,
     cu_seqlens: torch.Tensor,
     chunk_indices: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the inputs of :func:`forward_start`: ``dq``, ``dk`` (``[1, T, H, K]`` in q's and k's dtype)
-    from the per-value-head ``dq``, ``dk`` and ``dk_wy`` ``[1, T, HV, K]``, and ``dg`` (``g_dtype``) from the
-    float32 ``dg + dg_wy``. ``q``, ``k`` are :func:`forward_start`'s outputs; ``q_rstd`` None: no l2norm."""
-    heads, k_dim = q.shape[2:]
-    v_heads = dg.shape[2]
-    dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
-    dg_out = torch.empty_like(dg, dtype=g_dtype)
-    _BACKWARD_END(
-        (chunk_indices.shape[0], v_heads), dq=dq, dk=dk, dk_wy=dk_wy, dg=dg, dg_wy=dg_wy, q=q, k=k, q_rstd=q_rstd,
-        k_rstd=k_rstd, dq_out=dq_out, dk_out=dk_out, dg_out=dg_out, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, H=heads, HV=v_heads, K=k_dim, BT=64, BK=_block(k_dim), NORM=q_rstd is not None,
+    *,
+    heads: int,
+    v_heads: int,
+    k_dim: int,
+) -> Launch:
+    """The launch writing the gradients of :func:`forward_start`'s inputs: ``dq_out``, ``dk_out`` (``[1, T, H, K]``)
+    from the per-value-head ``dq``, ``dk`` and ``dk_wy`` ``[1, T, HV, K]``, and ``dg_out`` from the float32
+    ``dg + dg_wy``. ``q``, ``k`` are :func:`forward_start`'s outputs; ``q_rstd`` None: no l2norm."""
+    return Launch(
+        _BACKWARD_END, (chunk_indices.shape[0], v_heads), dict(
+            dq=dq, dk=dk, dk_wy=dk_wy, dg=dg, dg_wy=dg_wy, q=q, k=k, q_rstd=q_rstd, k_rstd=k_rstd, dq_out=dq_out,
+            dk_out=dk_out, dg_out=dg_out, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, H=heads, HV=v_heads,
+            K=k_dim, BT=64, BK=_block(k_dim), NORM=q_rstd is not None,
+        ),
     )  # fmt: skip
-    return dq_out, dk_out, dg_out

@@ -11,25 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernels.triton_source import SCALE_KERNEL
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
 
-KERNEL = """
-import torch, triton, triton.language as tl
-from triton.runtime.autotuner import Autotuner
-
-@triton.heuristics({"HAS_BIAS": lambda args: args["b"] is not None})
-@triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=1)], key=["N"])
-@triton.jit
-def scale_kernel(x, y, b, s, N, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    out = tl.load(x + offs, mask=mask) * s
-    if HAS_BIAS:
-        out += tl.load(b + offs, mask=mask)
-    tl.store(y + offs, out, mask=mask)
-"""
+KERNEL = SCALE_KERNEL
 
 
 def _run(body: str) -> str:
@@ -160,19 +148,19 @@ def test_a_launch_hook_sends_every_launch_through_triton() -> None:
     """A profiler's launch hook (Triton calls it from its own launch path) turns the direct launch off."""
     from triton import knobs
 
-    from model_support.kernels._fla_launch import _launch_hooks
+    from model_support.kernels._fla_launch import launch_hooks
 
     def hook(metadata: object) -> None:
         pass
 
-    assert not _launch_hooks()
+    assert not launch_hooks()
     chain = knobs.runtime.launch_enter_hook
     try:
         chain.add(hook)
-        assert _launch_hooks()
+        assert launch_hooks()
     finally:
         chain.remove(hook)
-    assert not _launch_hooks()
+    assert not launch_hooks()
 
 
 def test_fingerprints_tell_argument_types_apart() -> None:

@@ -210,7 +210,9 @@ def test_hybrid_dqkwg_matches_autograd_in_interpreter() -> None:
         for n, i in chunks:
             rows = slice(int(cu[n]) + i * CHUNK, min(int(cu[n]) + (i + 1) * CHUNK, int(cu[n + 1])))
             g_cum[0, rows] = g[0, rows].cumsum(0)
-        got = list(chunk_bwd_dqkwg(q, k, v, w, g_cum / math.log(2), h, dv, do, dh, scale, cu, torch.tensor(chunks)))
+        got = [torch.empty(1, total, v_heads, k_dim) for _ in range(3)] + [torch.empty(1, total, v_heads)]
+        dims = dict(total=total, heads=heads, v_heads=v_heads, k_dim=k_dim, v_dim=v_dim)
+        chunk_bwd_dqkwg(q, k, v, g_cum / math.log(2), h, dv, do, dh, *got, scale, cu, torch.tensor(chunks), **dims)()
         for i in (0, 1):  # dq, dk per value head: summed over each key head's value heads
             got[i] = got[i].view(1, total, heads, v_heads // heads, k_dim).sum(3)
 

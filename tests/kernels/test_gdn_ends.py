@@ -46,14 +46,20 @@ q, k = torch.randn(1, total, heads, dim, generator=gen), torch.randn(1, total, h
 g = torch.randn(1, total, v_heads, generator=gen)
 worst = {}
 for norm in (True, False):
-    qn, q_rstd, kn, k_rstd, g_cum = forward_start(q, k, g, 1.5, norm, cu, chunk_indices)
+    dims = dict(heads=heads, v_heads=v_heads, k_dim=dim)
+    q_rstd, k_rstd = (torch.empty(1, total, heads), torch.empty(1, total, heads)) if norm else (None, None)
+    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if norm else (q, k)
+    g_cum = torch.empty_like(g)
+    out = (qn, kn) if norm else (None, None)
+    forward_start(q, k, g, *out, q_rstd, k_rstd, g_cum, 1.5, cu, chunk_indices, **dims)()
     want_q, want_k = (l2norm(q), l2norm(k)) if norm else (q, k)
     worst[f"forward q/k norm={norm}"] = max(float((qn - want_q).abs().max()), float((kn - want_k).abs().max()))
     worst[f"forward g norm={norm}"] = float((g_cum - chunk_cumsum(g, lengths) * 1.5).abs().max())
     dq, dk, dk_wy = (torch.randn(1, total, v_heads, dim, generator=gen) for _ in range(3))
     dg, dg_wy = torch.randn(1, total, v_heads, generator=gen), torch.randn(1, total, v_heads, generator=gen)
-    got_dq, got_dk, got_dg = backward_end(dq, dk, dk_wy, dg, dg_wy, qn, kn, q_rstd, k_rstd, torch.bfloat16, cu,
-                                          chunk_indices)
+    got_dq, got_dk = torch.empty_like(q), torch.empty_like(k)
+    got_dg = torch.empty_like(g, dtype=torch.bfloat16)
+    backward_end(dq, dk, dk_wy, dg, dg_wy, qn, kn, q_rstd, k_rstd, got_dq, got_dk, got_dg, cu, chunk_indices, **dims)()
     group = lambda x: x.view(1, total, heads, v_heads // heads, dim).sum(3)
     xq, xk = q.clone().requires_grad_(), k.clone().requires_grad_()
     yq, yk = (l2norm(xq), l2norm(xk)) if norm else (xq, xk)
