@@ -33,7 +33,7 @@ import triton.language as tl
 from model_support.kernels._fla_launch import TunedKernel
 from model_support.kernels._gdn_ends import Arg, backward_end, forward_start
 from model_support.kernels._memo import while_alive
-from model_support.kernels._program import Buffer, Launch, Layout, Pass, Ref, TorchOp
+from model_support.kernels._program import Buffer, Launch, Layout, Pass, Ref
 
 CHUNK = 64
 NUM_WARPS = 8
@@ -131,6 +131,35 @@ def _dqkwg_kernel(
 
 
 _DQKWG = TunedKernel(_dqkwg_kernel)
+
+
+@triton.jit
+def _states_kernel(src, dst, rows, N, BLOCK: tl.constexpr, SUM: tl.constexpr):
+    """States ``[*, N]``: ``dst`` row 0 = the sum of ``src``'s ``rows`` rows in float32 (``SUM``), or each of
+    ``dst``'s ``rows`` rows = ``src`` row 0 (a shared prompt's state fanned out to its completions)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    if SUM:
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for row in range(rows):
+            total += tl.load(src + row * N + offs, mask=mask).to(tl.float32)
+        tl.store(dst + offs, total.to(dst.dtype.element_ty), mask=mask)
+    else:
+        state = tl.load(src + offs, mask=mask).to(dst.dtype.element_ty)
+        for row in range(rows):
+            tl.store(dst + row * N + offs, state, mask=mask)
+
+
+_STATES = TunedKernel(_states_kernel)
+_STATES_BLOCK = 1024
+
+
+def _states(src: Arg, dst: Arg, rows: int, size: int, sum_rows: bool) -> Launch:
+    """The launch of :func:`_states_kernel` over states of ``size`` elements (a launch of our own, not a torch
+    operation, so that a fixed pass issues it without building tensor views)."""
+    grid = (triton.cdiv(size, _STATES_BLOCK),)
+    args = dict(src=src, dst=dst, rows=rows, N=size, BLOCK=_STATES_BLOCK, SUM=sum_rows)
+    return Launch(_STATES, grid, args, {"num_warps": 4})
 
 
 def _tile(dim: int, limit: int) -> int:
@@ -273,14 +302,6 @@ class _Signature(NamedTuple):
     prompt_config: tuple[int, int, int] | None
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src.expand_as(dst))
-
-
-def _sum_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    torch.sum(src, 0, keepdim=True, out=dst)
-
-
 class _Step:
     """fla 0.6's ``chunk_gated_delta_rule`` forward and backward (``fla.ops.gated_delta_rule.chunk``, with
     ``chunk_fwd``, ``wy_fast``, ``fla.ops.common.chunk_delta_h`` and ``chunk_o``) for packed ``B = 1`` input
@@ -353,7 +374,7 @@ class _Step:
         grid = lambda meta: (triton.cdiv(v_dim, meta["BV"]) * n_seq * v_heads,)  # noqa: E731
         return Launch(kernel, grid, {**args, **self._dims}, setting)
 
-    def _states(self, phase: _Phase, h0: Ref, ht: Ref | None) -> Launch:
+    def _forward_states(self, phase: _Phase, h0: Ref, ht: Ref | None) -> Launch:
         """The forward state recurrence (``chunk_gated_delta_rule_fwd_h``): per-chunk states and ``v_new``."""
         _, k = self._qk()
         return self._recurrence(
@@ -361,12 +382,12 @@ class _Step:
             h0=h0, ht=ht,
         )  # fmt: skip
 
-    def _forward_ops(self) -> list[Launch | TorchOp]:
+    def _forward_ops(self) -> list[Launch]:
         index, sig = self._index, self._sig
         cu, chunks = index.cu_seqlens, index.chunk_indices
         dims = {"heads": sig.heads, "v_heads": sig.v_heads, "k_dim": sig.k_dim}
         norm = (Ref("q_n"), Ref("k_n"), Ref("q_rstd"), Ref("k_rstd")) if sig.l2norm else (None,) * 4
-        ops: list[Launch | TorchOp] = [
+        ops: list[Launch] = [
             forward_start(Ref("q"), Ref("k"), Ref("g"), *norm, Ref("g_c"), _fla().rcp_ln2, cu, chunks, **dims),
             self._kkt_solve(),
             self._wy(),
@@ -374,14 +395,15 @@ class _Step:
         final = Ref("final") if sig.final_state else None
         if self._shared:
             # The prompt's final state is written as the first completion's initial state, then copied to the rest.
+            size, n_completions = sig.v_heads * sig.k_dim * sig.v_dim, len(index.phases[1].cu_seqlens) - 1
             if sig.dtypes[-1] is not None:
-                ops.append(TorchOp(_copy, (Ref("starts", 0, 1), Ref("h0"))))
-            ops.append(self._states(index.phases[0], Ref("starts", 0, 1), Ref("starts", 1, 2)))
-            if len(index.phases[1].cu_seqlens) > 2:
-                ops.append(TorchOp(_copy, (Ref("starts", 2), Ref("starts", 1, 2))))
-            ops.append(self._states(index.phases[1], Ref("starts", 1), final))
+                ops.append(_states(Ref("h0"), Ref("starts"), 1, size, sum_rows=False))
+            ops.append(self._forward_states(index.phases[0], Ref("starts", 0, 1), Ref("starts", 1, 2)))
+            if n_completions > 1:
+                ops.append(_states(Ref("starts", 1, 2), Ref("starts", 2), n_completions - 1, size, sum_rows=False))
+            ops.append(self._forward_states(index.phases[1], Ref("starts", 1), final))
         else:
-            ops.append(self._states(index.together, Ref("h0"), final))
+            ops.append(self._forward_states(index.together, Ref("h0"), final))
         ops.append(self._output())
         return ops
 
@@ -471,11 +493,11 @@ class _Step:
             workspaces["dh0"] = [Buffer("dh0", (1 if self._shared else n_seq, *state), torch.float32)]
         q, k = self._qk()
         cu, chunks = index.cu_seqlens, index.chunk_indices
-        ops: list[Launch | TorchOp] = [
+        ops: list[Launch] = [
             self._wy(),
             # Every initial state is known now, so recomputing the states takes one launch, a shared prompt's
             # completions running beside the prompt instead of after it.
-            self._states(index.together, self._starts(), None),
+            self._forward_states(index.together, self._starts(), None),
             self._dv_local(),
         ]
         # The backward state recurrence (chunk_gated_delta_rule_bwd_dhu), phases last first: the completions'
@@ -487,8 +509,9 @@ class _Step:
         dht = Ref("dht") if with_dht else None
         dh0 = Ref("dh0") if want_dh0 else None
         if self._shared:
+            size = sig.v_heads * sig.k_dim * sig.v_dim
             ops.append(self._recurrence(_fla().bwd_dhu, index.phases[1], dht=dht, dh0=Ref("d_fanned"), **dhu))
-            ops.append(TorchOp(_sum_rows, (Ref("dht_p"), Ref("d_fanned"))))
+            ops.append(_states(Ref("d_fanned"), Ref("dht_p"), n_seq - 1, size, sum_rows=True))
             ops.append(self._recurrence(_fla().bwd_dhu, index.phases[0], dht=Ref("dht_p"), dh0=dh0, **dhu))
         else:
             ops.append(self._recurrence(_fla().bwd_dhu, index.together, dht=dht, dh0=dh0, **dhu))

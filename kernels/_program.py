@@ -3,8 +3,9 @@
 fla-hybrid's step is a dozen launches of small kernels. Issued by Python that allocates, shapes and launches
 each one, it costs the host more time than its kernels take on the GPU (docs/benchmarks.md). Here a pass is
 declared once per input signature: the buffers it allocates (:class:`Buffer`, grouped in workspaces that live
-and die together; a workspace of one buffer is that tensor), and its operations, kernel launches
-(:class:`Launch`, their tensor arguments named by :class:`Ref`) and torch operations (:class:`TorchOp`).
+and die together; a workspace of one buffer is that tensor), and its kernel launches (:class:`Launch`, their
+tensor arguments named by :class:`Ref`). A pass has no torch operations between its launches: a torch
+operation on part of a workspace needs views of it, which cost the host more than a launch.
 
 :class:`Pass` runs its launches through :class:`~model_support.kernels._fla_launch.TunedKernel` (which tunes,
 compiles and plans) until every one of them has a launch plan. Then it is fixed: each launch becomes its compiled
@@ -19,7 +20,7 @@ runs through :class:`TunedKernel`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -65,13 +66,6 @@ class Launch(NamedTuple):
     def __call__(self) -> Plan | None:
         """Launch with tensor arguments (no :class:`Ref`); the plan it ran through, if any."""
         return self.kernel(self.grid, self.setting, **self.args)
-
-
-class TorchOp(NamedTuple):
-    """``fn(*tensors)``, the tensors of ``refs`` (a torch operation between launches)."""
-
-    fn: Callable[..., object]
-    refs: tuple[Ref, ...]
 
 
 class Layout:
@@ -140,11 +134,11 @@ class _Fixed(NamedTuple):
 class Pass:
     """Allocate ``allocates`` (workspaces of ``layout``) and run ``ops`` over them and a pass's inputs."""
 
-    def __init__(self, layout: Layout, allocates: Sequence[str], ops: Sequence[Launch | TorchOp]) -> None:
+    def __init__(self, layout: Layout, allocates: Sequence[str], ops: Sequence[Launch]) -> None:
         self._layout = layout
         self._allocates = tuple(allocates)
         self._ops = tuple(ops)
-        self._fixed: tuple[_Fixed | TorchOp, ...] | None = None
+        self._fixed: tuple[_Fixed, ...] | None = None
         self._inputs: tuple[str, ...] = ()
         self._device = -1
 
@@ -167,26 +161,19 @@ class Pass:
                 and driver.active.get_current_device() == self._device
             ):
                 stream = driver.active.get_current_stream(self._device)
-                for op in self._fixed:
-                    if isinstance(op, _Fixed):
-                        op(bases, stream)
-                    else:
-                        op.fn(*(self._layout.tensor(env, ref) for ref in op.refs))
+                for launch in self._fixed:
+                    launch(bases, stream)
                 return env
         self._run(env)
         return env
 
     def _run(self, env: Env) -> None:
         """Run every op through :class:`TunedKernel`, and fix the pass once each launch ran through a plan."""
-        fixed: list[_Fixed | TorchOp] | None = []
+        fixed: list[_Fixed] | None = []
         for op in self._ops:
-            if isinstance(op, TorchOp):
-                op.fn(*(self._layout.tensor(env, ref) for ref in op.refs))
-                step: _Fixed | TorchOp | None = op
-            else:
-                args = {k: self._layout.tensor(env, v) if isinstance(v, Ref) else v for k, v in op.args.items()}
-                plan = op._replace(args=args)()
-                step = None if plan is None else self._fix(op, plan, args, env)
+            args = {k: self._layout.tensor(env, v) if isinstance(v, Ref) else v for k, v in op.args.items()}
+            plan = op._replace(args=args)()
+            step = None if plan is None else self._fix(op, plan, args, env)
             if step is None:
                 fixed = None
             elif fixed is not None:

@@ -18,32 +18,35 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A pass: y = x * s (+ b) into a scratch buffer, rows 1: of it copied into the output, twice a kernel launch.
+# A pass of three launches: y = x * s (+ b) into a scratch buffer, rows 1: of it into the output, then the output's
+# first 4 entries halved (plus a zeroed buffer). With 7 columns the output's row 1 is 28 bytes in: not 16-byte
+# aligned, so that pass is never fixed.
 PASS = (
     SCALE_KERNEL
     + """
 from model_support.kernels._fla_launch import TunedKernel
-from model_support.kernels._program import Buffer, Launch, Layout, Pass, Ref, TorchOp
+from model_support.kernels._program import Buffer, Launch, Layout, Pass, Ref
 
 KERNEL = TunedKernel(scale_kernel)
-ROWS, COLS = 5, 7
-N = ROWS * COLS
-layout = Layout({
-    "scratch": [Buffer("pad", (3,), torch.float16), Buffer("y", (ROWS, COLS), torch.float32),
-                Buffer("zeros", (4,), torch.float32, zero=True)],
-    "out": [Buffer("out", (ROWS, COLS), torch.float32, zero=True)],
-})
-grid = lambda meta: (triton.cdiv(N, meta["BLOCK"]),)
-ops = [
-    Launch(KERNEL, grid, dict(x=Ref("x"), y=Ref("y"), b=Ref("b"), s=2.0, N=N)),
-    TorchOp(lambda dst, src: dst.copy_(src), (Ref("out", 1), Ref("y", 1))),
-    Launch(KERNEL, grid, dict(x=Ref("out"), y=Ref("out"), b=Ref("zeros"), s=0.5, N=4)),
-]
-step = Pass(layout, ["scratch", "out"], ops)
+ROWS = 5
+
+def make_pass(cols):
+    n = ROWS * cols
+    layout = Layout({
+        "scratch": [Buffer("pad", (3,), torch.float16), Buffer("y", (ROWS, cols), torch.float32),
+                    Buffer("zeros", (4,), torch.float32, zero=True)],
+        "out": [Buffer("out", (ROWS, cols), torch.float32, zero=True)],
+    })
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+    return Pass(layout, ["scratch", "out"], [
+        Launch(KERNEL, grid, dict(x=Ref("x"), y=Ref("y"), b=Ref("b"), s=2.0, N=n)),
+        Launch(KERNEL, grid, dict(x=Ref("y", 1), y=Ref("out", 1), b=None, s=1.0, N=n - cols)),
+        Launch(KERNEL, grid, dict(x=Ref("out"), y=Ref("out"), b=Ref("zeros"), s=0.5, N=4)),
+    ])
 
 def want(x, b):
     y = x * 2.0 + (0 if b is None else b)
-    out = torch.zeros(ROWS, COLS, device=x.device)
+    out = torch.zeros_like(x)
     out[1:] = y[1:]
     out.view(-1)[:4] *= 0.5
     return out
@@ -79,10 +82,10 @@ def test_layout_places_buffers_aligned_zeroed_ones_first_and_views_them() -> Non
 def test_a_pass_runs_through_tuned_kernels_in_the_interpreter() -> None:
     """Under Triton's interpreter a pass runs every launch through TunedKernel and is never fixed."""
     body = """
-    results = []
+    results, step = [], make_pass(8)
     for bias in (True, False, True):
-        x = torch.randn(ROWS, COLS)
-        b = torch.randn(ROWS, COLS) if bias else None
+        x = torch.randn(ROWS, 8)
+        b = torch.randn(ROWS, 8) if bias else None
         env = step({"x": x, "b": b}, x.device)
         results.append(float((env["out"] - want(x, b)).abs().max()))
     print(max(results), step.fixed)
@@ -115,31 +118,37 @@ def test_a_fixed_pass_launches_compiled_kernels_and_falls_back_where_it_must(
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
-    base = torch.randn(2 * module.N + 1, device="cuda")
-    bias = torch.randn(module.ROWS, module.COLS, device="cuda")
+    step, cols = module.make_pass(8), 8
+    base = torch.randn(2 * module.ROWS * cols + 1, device="cuda")
+    bias = torch.randn(module.ROWS, cols, device="cuda")
     hook_chain = knobs.runtime.launch_enter_hook
     record = []
     for case in ("tune", "plan", "fixed", "fixed", "unaligned", "no bias", "hook", "fixed"):
         offset = 1 if case == "unaligned" else 0
-        x = base[offset : offset + module.N].view(module.ROWS, module.COLS)
+        x = base[offset : offset + module.ROWS * cols].view(module.ROWS, cols)
         b = None if case == "no bias" else bias
         before = len(calls)
         if case == "hook":
             hook_chain.add(print)
         try:
-            env = module.step({"x": x, "b": b}, x.device)
+            env = step({"x": x, "b": b}, x.device)
         finally:
             if case == "hook":
                 hook_chain.remove(print)
         torch.testing.assert_close(env["out"], module.want(x, b), rtol=0, atol=0)
-        record.append((case, len(calls) - before, module.step.fixed))
+        record.append((case, len(calls) - before, step.fixed))
     assert record == [
-        ("tune", 2, False),
-        ("plan", 2, True),
+        ("tune", 3, False),
+        ("plan", 3, True),
         ("fixed", 0, True),
         ("fixed", 0, True),
-        ("unaligned", 2, True),
-        ("no bias", 2, True),
-        ("hook", 2, True),
+        ("unaligned", 3, True),
+        ("no bias", 3, True),
+        ("hook", 3, True),
         ("fixed", 0, True),
     ]
+    odd = module.make_pass(7)  # a launch on the output's row 1, 28 bytes in: never fixed, always right
+    for _ in range(3):
+        x = torch.randn(module.ROWS, 7, device="cuda")
+        torch.testing.assert_close(odd({"x": x, "b": None}, x.device)["out"], module.want(x, None), rtol=0, atol=0)
+    assert not odd.fixed
