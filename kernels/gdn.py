@@ -276,9 +276,16 @@ def resolve_backend(
     A backward is needed when autograd is on and any input requires grad.
     """
     need_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if backend is None:
+    return _resolved(backend.name if isinstance(backend, BackendChoice) else backend, device, need_backward)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(name: str | None, device: torch.device, need_backward: bool) -> str:
+    """:func:`resolve_backend` once per process for each question: what it reads (installed versions, the GPU's
+    compute capability) does not change while a process runs, and a model asks once per GDN layer and step.
+    A refusal raises, so it is not remembered."""
+    if name is None:
         return select_backend(device, need_backward=need_backward).name
-    name = backend.name if isinstance(backend, BackendChoice) else backend
     check_backend(name, device, need_backward=need_backward)
     return name
 
