@@ -11,10 +11,11 @@ operation on part of a workspace needs views of it, which cost the host more tha
 compiles and plans) until every one of them has a launch plan. Then it is fixed: each launch becomes its compiled
 kernel's launcher called with an argument list built once, whose tensor slots are filled with the base address
 of an input or workspace plus an offset, and a later run allocates its workspaces, reads a few base addresses
-and issues the launches. Anything a plan depends on is fixed by the pass's signature (dtypes, shapes, every
-value that is not a tensor), except the inputs' addresses, whose 16-byte alignment (what Triton specialises a
-kernel on) is checked at every fixed run; under Triton's interpreter or a profiler's launch hooks a pass always
-runs through :class:`TunedKernel`.
+and issues the launches. The caller declares a pass for one signature (device, dtypes, shapes, every value that
+is not a tensor) and runs it only on inputs of that signature; what a plan depends on beyond it is checked at every
+fixed run: the inputs' 16-byte alignment (what Triton specialises a kernel on), which inputs are None, the
+current device. Under Triton's interpreter, or with a profiler's launch hooks set, a pass runs through
+:class:`TunedKernel`.
 """
 
 from __future__ import annotations
