@@ -23,6 +23,7 @@ so its ``dg`` is what fla's own kernel returns.
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -324,8 +325,10 @@ class _Step:
         n_seq, n_chunks = index.cu_seqlens.numel() - 1, index.n_chunks
         self._shared = len(index.phases) == 2
         self._dims = {"T": total, "H": heads, "HV": v_heads, "K": k_dim, "V": v_dim}
-        rows, key_rows = (1, total, v_heads), (1, total, heads)
-        state = (v_heads, k_dim, v_dim)
+        self._end_dims = {"heads": heads, "v_heads": v_heads, "k_dim": k_dim}  # of the fused ends' launches
+        # Shapes the buffers share: per value head and per key head token rows, one state.
+        self._rows, self._key_rows, self._state = (1, total, v_heads), (1, total, heads), (v_heads, k_dim, v_dim)
+        rows, key_rows, state = self._rows, self._key_rows, self._state
         self._saved = [Buffer("g_c", rows, torch.float32), Buffer("a", (*rows, CHUNK), k_dtype, zero=True)]
         if sig.l2norm:
             self._saved += [
@@ -385,17 +388,18 @@ class _Step:
     def _forward_ops(self) -> list[Launch]:
         index, sig = self._index, self._sig
         cu, chunks = index.cu_seqlens, index.chunk_indices
-        dims = {"heads": sig.heads, "v_heads": sig.v_heads, "k_dim": sig.k_dim}
         norm = (Ref("q_n"), Ref("k_n"), Ref("q_rstd"), Ref("k_rstd")) if sig.l2norm else (None,) * 4
         ops: list[Launch] = [
-            forward_start(Ref("q"), Ref("k"), Ref("g"), *norm, Ref("g_c"), _fla().rcp_ln2, cu, chunks, **dims),
+            forward_start(
+                Ref("q"), Ref("k"), Ref("g"), *norm, Ref("g_c"), _fla().rcp_ln2, cu, chunks, **self._end_dims
+            ),
             self._kkt_solve(),
             self._wy(),
         ]
         final = Ref("final") if sig.final_state else None
         if self._shared:
             # The prompt's final state is written as the first completion's initial state, then copied to the rest.
-            size, n_completions = sig.v_heads * sig.k_dim * sig.v_dim, len(index.phases[1].cu_seqlens) - 1
+            size, n_completions = math.prod(self._state), len(index.phases[1].cu_seqlens) - 1
             if sig.dtypes[-1] is not None:
                 ops.append(_states(Ref("h0"), Ref("starts"), 1, size, sum_rows=False))
             ops.append(self._forward_states(index.phases[0], Ref("starts", 0, 1), Ref("starts", 1, 2)))
@@ -465,8 +469,7 @@ class _Step:
     def _declare_backward(self, with_dht: bool) -> Pass:
         index, sig = self._index, self._sig
         q_dtype, k_dtype, v_dtype, g_dtype, beta_dtype, h0_dtype = sig.dtypes
-        rows, key_rows = (1, sig.total, sig.v_heads), (1, sig.total, sig.heads)
-        state = (sig.v_heads, sig.k_dim, sig.v_dim)
+        rows, key_rows, state = self._rows, self._key_rows, self._state
         n_seq, n_chunks = index.cu_seqlens.numel() - 1, index.n_chunks
         scratch = [
             *self._scratch,
@@ -509,13 +512,12 @@ class _Step:
         dht = Ref("dht") if with_dht else None
         dh0 = Ref("dh0") if want_dh0 else None
         if self._shared:
-            size = sig.v_heads * sig.k_dim * sig.v_dim
             ops.append(self._recurrence(_fla().bwd_dhu, index.phases[1], dht=dht, dh0=Ref("d_fanned"), **dhu))
-            ops.append(_states(Ref("d_fanned"), Ref("dht_p"), n_seq - 1, size, sum_rows=True))
+            ops.append(_states(Ref("d_fanned"), Ref("dht_p"), n_seq - 1, math.prod(state), sum_rows=True))
             ops.append(self._recurrence(_fla().bwd_dhu, index.phases[0], dht=Ref("dht_p"), dh0=dh0, **dhu))
         else:
             ops.append(self._recurrence(_fla().bwd_dhu, index.together, dht=dht, dh0=dh0, **dhu))
-        dims = {"heads": sig.heads, "v_heads": sig.v_heads, "k_dim": sig.k_dim}
+        dims = self._end_dims
         norm = (Ref("q_rstd"), Ref("k_rstd")) if sig.l2norm else (None, None)
         ops += [
             chunk_bwd_dqkwg(

@@ -48,13 +48,17 @@ class Plan(NamedTuple):
         x, y, z = (*grid, 1, 1)[:3]
         return x, y, z
 
+    def call(self, grid: tuple[int, int, int], stream: int, values: list[Any]) -> None:
+        """The launcher itself, ``values`` in the kernel's argument order (no launch metadata or hooks)."""
+        self.run(*grid, stream, self.function, self.metadata, None, None, None, *values)
+
     def launch(self, grid: Grid, args: dict[str, Any], stream: int) -> None:
         values = self.values.copy()
         for position, name in self.tensors:
             # Addresses, not tensors: Triton's launcher asks the driver (cuPointerGetAttribute) to translate
             # every tensor's address, which for device memory is the address itself.
             values[position] = args[name].data_ptr()
-        self.run(*self.grid_for(grid, args), stream, self.function, self.metadata, None, None, None, *values)
+        self.call(self.grid_for(grid, args), stream, values)
 
 
 def launch_hooks() -> bool:

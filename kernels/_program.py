@@ -129,7 +129,7 @@ class _Fixed(NamedTuple):
         values = self.values.copy()
         for position, base, offset in self.slots:
             values[position] = bases[base] + offset
-        self.plan.run(*self.grid, stream, self.plan.function, self.plan.metadata, None, None, None, *values)
+        self.plan.call(self.grid, stream, values)
 
 
 class Pass:
@@ -153,37 +153,40 @@ class Pass:
         env = dict(inputs)
         for workspace in self._allocates:
             env[workspace] = self._layout.allocate(workspace, device)
-        if self._fixed is not None and not launch_hooks():
-            bases = {name: tensor.data_ptr() for name, tensor in env.items() if tensor is not None}
-            present = tuple(name for name, tensor in inputs.items() if tensor is not None)
-            if (
-                present == self._inputs
-                and not any(bases[name] % 16 for name in present)
-                and driver.active.get_current_device() == self._device
-            ):
-                stream = driver.active.get_current_stream(self._device)
-                for launch in self._fixed:
-                    launch(bases, stream)
-                return env
-        self._run(env)
+        present = tuple(name for name, tensor in inputs.items() if tensor is not None)
+        bases = {name: tensor.data_ptr() for name, tensor in env.items() if tensor is not None}
+        # A kernel Triton specialised on aligned pointers is wrong for others: a pass is fixed from aligned inputs
+        # only, and a fixed run checks that its inputs are aligned.
+        aligned = not any(bases[name] % 16 for name in present)
+        fixed = self._fixed
+        if (
+            fixed is not None
+            and present == self._inputs
+            and aligned
+            and not launch_hooks()
+            and driver.active.get_current_device() == self._device
+        ):
+            stream = driver.active.get_current_stream(self._device)
+            for launch in fixed:
+                launch(bases, stream)
+            return env
+        self._run(env, present if aligned and fixed is None else None)
         return env
 
-    def _run(self, env: Env) -> None:
-        """Run every op through :class:`TunedKernel`, and fix the pass once each launch ran through a plan."""
-        fixed: list[_Fixed] | None = []
+    def _run(self, env: Env, fix_for: tuple[str, ...] | None) -> None:
+        """Run every op through :class:`TunedKernel`; unless ``fix_for`` is None, fix the pass for inputs where
+        those named are not None once each launch ran through a plan."""
+        fixed: list[_Fixed] | None = None if fix_for is None else []
         for op in self._ops:
             args = {k: self._layout.tensor(env, v) if isinstance(v, Ref) else v for k, v in op.args.items()}
             plan = op._replace(args=args)()
-            step = None if plan is None else self._fix(op, plan, args, env)
+            step = None if plan is None or fixed is None else self._fix(op, plan, args, env)
             if step is None:
                 fixed = None
             elif fixed is not None:
                 fixed.append(step)
-        present = tuple(name for name, tensor in env.items() if name not in self._allocates and tensor is not None)
-        # Fixed from aligned inputs only: a fixed run checks that its inputs are aligned (a kernel Triton
-        # specialised on aligned pointers is wrong for others), and which of them are None.
-        if fixed is not None and self._fixed is None and not any(env[n].data_ptr() % 16 for n in present):
-            self._fixed, self._inputs = tuple(fixed), present
+        if fixed is not None and fix_for is not None:
+            self._fixed, self._inputs = tuple(fixed), fix_for
             self._device = driver.active.get_current_device()
 
     def _fix(self, op: Launch, plan: Plan, args: dict[str, Any], env: Env) -> _Fixed | None:

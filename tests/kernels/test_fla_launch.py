@@ -17,11 +17,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 REPO = Path(__file__).resolve().parents[2]
 
-KERNEL = SCALE_KERNEL
-
 
 def _run(body: str) -> str:
-    script = textwrap.dedent(KERNEL) + textwrap.dedent(body)
+    script = textwrap.dedent(SCALE_KERNEL) + textwrap.dedent(body)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
@@ -120,7 +118,7 @@ def test_plans_launch_the_compiled_kernel_for_each_specialisation(tmp_path: Path
 
     from model_support.kernels._fla_launch import TunedKernel
 
-    (tmp_path / "plan_kernel.py").write_text(textwrap.dedent(KERNEL))  # Triton reads a kernel's source file
+    (tmp_path / "plan_kernel.py").write_text(textwrap.dedent(SCALE_KERNEL))  # Triton reads a kernel's source file
     spec = importlib.util.spec_from_file_location("plan_kernel", tmp_path / "plan_kernel.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
