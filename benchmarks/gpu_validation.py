@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-MEGATRON_STAGES = ("weights", "hf_parity", "lora_coverage", "packed_position_ids", "shared_prefix", "trainability")
+MEGATRON_STAGES = (
+    "weights",
+    "hf_parity",
+    "lora_coverage",
+    "lora_gradients",
+    "packed_position_ids",
+    "shared_prefix",
+    "trainability",
+)
 # The numbers each stage's row shows.
 KEY_METRICS = {
     "weights": ("tensors", "nonfinite_tensors", "zero_matrices"),

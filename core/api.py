@@ -147,17 +147,21 @@ def build_model(
     return TrainingModel(handler, source.directory, config, layout, built)
 
 
-def apply_lora(model: TrainingModel, *, rank: int = 8, alpha: float = 16.0) -> LoraReport:
+def apply_lora(model: TrainingModel, *, rank: int = 8, alpha: float = 16.0, seed: int = 0) -> LoraReport:
     """Wrap every module the handler declares a LoRA target for (B = 0, so the model is unchanged); freeze the rest.
 
-    The adapter weights are fp32 whatever the base dtype, as PEFT keeps them.
+    The fresh adapter is canonical: each module's A is drawn over its single-rank (TP=1) shape as PEFT draws it, from
+    ``seed`` and the module's name, so every rank and every parallel layout starts from the same adapter
+    (:func:`model_support.core.megatron.lora.fresh_lora`). The adapter weights are fp32 whatever the base dtype, as
+    PEFT keeps them.
     """
-    from model_support.core.megatron.lora import LoraError
+    from model_support.core.megatron.lora import LoraError, fresh_lora
     from model_support.core.megatron.lora import apply_lora as wrap
 
     if model.lora is not None:
         raise LoraError("LoRA is already applied to this model")
     model.lora = wrap(model.chunks, model.spec, rank=rank, alpha=alpha)
+    fresh_lora(model.chunks, seed=seed)
     return model.lora
 
 
@@ -302,17 +306,29 @@ def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> 
     """Per-position log-softmax rows of each sequence, ``[len(seq), vocab]`` fp32, from one packed forward.
 
     Row ``t`` is the model's distribution over the token after ``seq[:t + 1]``. The sequences are packed into
-    one row with position ids restarting at 0 (as trainers pack), so no sequence sees another. Differentiable
-    when the model's parameters require grad.
+    one row with position ids restarting at 0 (as trainers pack), so no sequence sees another; under context
+    parallelism (packed rows need THD attention, which the local spec lacks) each sequence is a row of its own.
+    Any layout: the forward runs through megatron-core's schedule (:func:`forward_backward`), every rank takes part
+    and gets the rows. Differentiable when the model's parameters require grad, except under pipeline parallelism,
+    where the rows are the last stage's logits broadcast to every stage, detached
+    (:func:`model_support.core.megatron.forward.scored_logits`; train through :func:`forward_backward`).
     """
     import torch
 
-    from model_support.core.megatron.forward import logits
+    from model_support.core.megatron.context_parallel import group as context_parallel_group
+    from model_support.core.megatron.forward import scored_logits
 
     lengths = [len(seq) for seq in sequences]
+    if not lengths or not all(lengths):
+        raise ValueError("token_logprobs needs at least one sequence, and no empty one")
+    if context_parallel_group() is not None:
+        width = max(lengths)
+        rows = torch.tensor([[*seq, *[0] * (width - len(seq))] for seq in sequences])  # causal: padding unseen
+        out = torch.log_softmax(scored_logits(model.chunks, rows), dim=-1)
+        return [out[i, :n] for i, n in enumerate(lengths)]
     row = torch.tensor([t for seq in sequences for t in seq])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    out = torch.log_softmax(logits(model.module, row, positions)[0], dim=-1)
+    out = torch.log_softmax(scored_logits(model.chunks, row, positions)[0], dim=-1)
     return list(out.split(lengths))
 
 
@@ -325,17 +341,23 @@ def group_logprobs(
     Row ``t`` of completion ``c`` is the model's distribution over ``c[t]`` given ``prompt + c[:t]``: the same as
     :func:`token_logprobs` of ``prompt + c`` from ``len(prompt) - 1`` on, without repeating the prompt. Each
     completion's position ids continue the prompt's; attention and Gated DeltaNet layers keep completions apart
-    (:mod:`model_support.core.megatron.rows`). Differentiable when the model's parameters require grad.
+    (:mod:`model_support.core.megatron.rows`). Under context parallelism (no packed rows without THD attention) it is
+    :func:`token_logprobs` of each ``prompt + c``, the prompt computed once per completion. Any layout, every rank
+    gets the rows; differentiable as :func:`token_logprobs` is.
     """
     import torch
 
-    from model_support.core.megatron.forward import logits
+    from model_support.core.megatron.context_parallel import group as context_parallel_group
+    from model_support.core.megatron.forward import scored_logits
     from model_support.core.megatron.rows import RowLayout
 
     if not prompt or not completions or not all(completions):
         raise ValueError("a group needs a non-empty prompt and at least one non-empty completion")
+    if context_parallel_group() is not None:
+        full = token_logprobs(model, [[*prompt, *c] for c in completions])
+        return [rows[len(prompt) - 1 : -1] for rows in full]
     rows = RowLayout.shared_prefix(len(prompt), [len(c) for c in completions])
     row = torch.tensor([*prompt, *(t for c in completions for t in c)])[None]
-    out = torch.log_softmax(logits(model.module, row, rows.position_ids())[0], dim=-1)
+    out = torch.log_softmax(scored_logits(model.chunks, row, rows.position_ids())[0], dim=-1)
     last = out[len(prompt) - 1 : len(prompt)]  # the prompt's last position predicts every completion's first token
     return [torch.cat([last, out[s.start : s.end - 1]]) for s in rows.groups[0][1:]]

@@ -57,13 +57,15 @@ class TextCheckpoint(Mapping):
         if not weight_files(model_dir):
             raise CheckpointError(f"no safetensors weights in {model_dir}")
         self._where: dict[str, tuple[Path, str]] = {}
-        raw = {key: path for key, (path, _, _) in stored_tensors(model_dir).items()}
+        stored = stored_tensors(model_dir)
+        raw = {key: path for key, (path, _, _) in stored.items()}
         multimodal = any(k.startswith(_VL_PREFIX) for k in raw)
         for key, path in raw.items():
             if multimodal and key.startswith(_VL_PREFIX):
                 self._where["model." + key[len(_VL_PREFIX) :]] = (path, key)
             elif key.startswith(("model.", "lm_head.")) and not (multimodal and key.startswith("model.")):
                 self._where[key] = (path, key)
+        self._shapes = {name: stored[key][1] for name, (_, key) in self._where.items()}
         self.multimodal = multimodal
         self.state = self
         self.source = self
@@ -86,6 +88,10 @@ class TextCheckpoint(Mapping):
         path, key = self._where[name]
         with safe_open(path, "pt") as f:
             return f.get_tensor(key)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from the safetensors header (no tensor data is read)."""
+        return self._shapes[name]
 
     def raw_key(self, name: str) -> str:
         return self._where[name][1]

@@ -123,6 +123,15 @@ def show(
     for t in spec.lora_targets:
         targets.add_row(str(t.scope), t.megatron, ", ".join(t.hf))
     console.print(targets)
+    if spec.lora_exclusions:
+        exclusions = Table(title="LoRA exclusions (mapped linears left untrained)")
+        for col in ("scope", "Megatron", "reason"):
+            exclusions.add_column(col)
+        for e in spec.lora_exclusions:
+            exclusions.add_row(str(e.scope), e.megatron, escape(e.reason))
+        console.print(exclusions)
+    else:
+        console.print("LoRA exclusions: none")
     console.print(f"codec: {data['codec'] or 'none declared'}")
     status = "native" if spec.vllm_lora.native else "merged-only"
     console.print(f"vLLM LoRA: {status} ({spec.vllm_lora.reason})")

@@ -147,3 +147,62 @@ def derive_layout(config: Any, fields: ConfigFields | None = None) -> ModelLayou
             dense_layers=tuple(sorted(set(fields.dense_layers(cfg)))) if fields.dense_layers else (),
         )
     return ModelLayout(num_layers=num_layers, layer_types=layer_types, moe=moe, mtp_layers=mtp_layers(config))
+
+
+# Gated DeltaNet kernels carry the recurrent state between chunks of this many tokens (kernels.gdn.CHUNK_SIZE, fla's
+# BT): a row of three chunks and one token crosses two chunk boundaries and starts a fourth chunk.
+GDN_CHUNK = 64
+# A long row on a GPU at real width is at least this long (RL rows are 1k-32k tokens).
+REAL_WIDTH_LONG_ROW = 4096
+
+
+def sliding_window(config: Any) -> int | None:
+    """The sliding-attention window of the text config, None when no layer uses one (Qwen3's ``sliding_window``
+    with ``use_sliding_window`` false is not a window)."""
+    cfg = text_config(config)
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds and not any("sliding" in str(kind) for kind in kinds):
+        return None
+    return int(window)
+
+
+def rope_scaling(config: Any) -> dict[str, Any] | None:
+    """The text config's rope scaling parameters (``rope_parameters`` or the older ``rope_scaling``), None when the
+    rotary embedding is plain (``rope_type`` default, or no rotary parameters at all)."""
+    cfg = text_config(config)
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, Mapping):
+            # Gemma 3 keeps one dict per attention kind ({"full_attention": {...}, "sliding_attention": {...}}).
+            nested = [v for v in value.values() if isinstance(v, Mapping)]
+            for params in nested or [value]:
+                kind = params.get("rope_type", params.get("type", "default"))
+                if kind not in (None, "default"):
+                    return dict(params)
+    return None
+
+
+def length_structures(config: Any, layout: ModelLayout) -> dict[str, int]:
+    """Each length-dependent structure of the model, with the shortest row that crosses it: ``gdn_chunks`` (three
+    chunk boundaries of the GDN recurrence), ``sliding_window`` (window + 1: a query past the window), ``rope_scaling``
+    (one position past ``original_max_position_embeddings``, where YaRN / dynamic NTK / Llama 3 scaling starts)."""
+    out: dict[str, int] = {}
+    if layout.gdn_layers:
+        out["gdn_chunks"] = 3 * GDN_CHUNK + 1
+    window = sliding_window(config)
+    if window:
+        out["sliding_window"] = window + 1
+    rope = rope_scaling(config)
+    original = (rope or {}).get("original_max_position_embeddings")
+    if original:
+        out["rope_scaling"] = int(original) + 1
+    return out
+
+
+def long_row_length(config: Any, layout: ModelLayout, *, floor: int = 0) -> int:
+    """The length of a row that crosses every length-dependent structure (:func:`length_structures`) and is at least
+    ``floor`` tokens (one GDN chunk and one token when the model has none)."""
+    return max([GDN_CHUNK + 1, floor, *length_structures(config, layout).values()])

@@ -58,6 +58,29 @@ class LoraTarget:
             raise SpecError("a LoRA target needs a Megatron name and at least one HF module name")
 
 
+# The LoRA linears of a decoder layer: the weight matrices of megatron-core's linear modules, named ``linear_*``
+# (linear_qkv, linear_proj, linear_fc1, linear_fc2, MLA's linear_q_down_proj ...) or, in Gated DeltaNet,
+# ``in_proj`` / ``out_proj``. These are the modules LoRA wraps on the Megatron side and PEFT / vLLM address as HF
+# linears. Every other parameter the bridge maps is not one: routers (``mlp.router``: the expert choice, which
+# vLLM's LoRA never adapts), norms (``*_layernorm``, a fused linear's ``layer_norm_weight``: per-channel scales),
+# GDN's depthwise ``conv1d``, ``A_log`` and ``dt_bias``, a shared expert's gate vector, and, outside the decoder
+# layers, the embedding and the output layer (vocab-sized, not LoRA targets here).
+LORA_LINEAR = re.compile(r"^(linear_\w+|in_proj|out_proj)$")
+
+
+@dataclass(frozen=True)
+class LoraExclusion:
+    """A LoRA linear megatron-bridge maps that the family deliberately does not train, and why.
+
+    The `architecture` stage fails a model in which the bridge maps a linear (:data:`LORA_LINEAR`) of ``scope``
+    that is neither a :class:`LoraTarget` nor excluded here.
+    """
+
+    megatron: str
+    scope: TargetScope
+    reason: str
+
+
 @dataclass(frozen=True)
 class VllmLora:
     """Whether vLLM can serve a LoRA adapter for this family natively, and why not if not."""
@@ -179,6 +202,9 @@ class HandlerSpec:
     # pattern it hardcodes): ConfigRequirement entries, or functions of the text config returning why (None: fine).
     # The `architecture` stage fails a config with the reasons.
     config_requirements: tuple[ConfigRequirement | Callable[[Any], str | None], ...] = ()
+    # LoRA linears megatron-bridge maps that the family leaves untrained, each with why; the `architecture` stage
+    # fails a mapped linear of the model that is neither in lora_targets nor here.
+    lora_exclusions: tuple[LoraExclusion, ...] = ()
 
     def __post_init__(self) -> None:
         problems = declaration_problems(self)
@@ -268,6 +294,35 @@ def declaration_problems(spec: HandlerSpec) -> list[str]:
                 "the text config"
             )
             break
+    problems += _exclusion_problems(spec)
     if spec.codec is not None and not isinstance(spec.codec, LoraCodec):
         problems.append("codec does not implement LoraCodec (name, to_peft, from_peft)")
+    return problems
+
+
+def _exclusion_problems(spec: HandlerSpec) -> list[str]:
+    """Each lora_exclusions entry names one LoRA linear of a scope, not targeted, with a reason."""
+    problems: list[str] = []
+    targeted = {(t.megatron, t.scope) for t in spec.lora_targets}
+    seen: set[tuple[str, TargetScope]] = set()
+    for exclusion in spec.lora_exclusions:
+        if not isinstance(exclusion, LoraExclusion):
+            problems.append(f"lora_exclusions must be LoraExclusion entries, got {exclusion!r}")
+            continue
+        key = (exclusion.megatron, exclusion.scope)
+        where = f"lora exclusion {exclusion.megatron!r} ({exclusion.scope})"
+        if not isinstance(exclusion.scope, TargetScope):
+            problems.append(f"{where}: scope must be a TargetScope")
+        if not LORA_LINEAR.match(exclusion.megatron or ""):
+            problems.append(
+                f"{where}: not a LoRA linear (linear_*, in_proj or out_proj); routers, norms and embeddings are never "
+                "LoRA targets and need no exclusion"
+            )
+        if not str(exclusion.reason or "").strip():
+            problems.append(f"{where} needs a reason")
+        if key in targeted:
+            problems.append(f"{where} is also a LoRA target")
+        if key in seen:
+            problems.append(f"{where} declared twice")
+        seen.add(key)
     return problems

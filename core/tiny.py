@@ -64,6 +64,10 @@ _TEXT_DIMS = {
     "max_position_embeddings": 2048,
     "initializer_range": 0.05,
 }
+# Length-dependent structures shrunk so that a long row on a CPU stays short (core.layout.length_structures): a
+# sliding window and the position where rope scaling starts (YaRN's, Llama 3's original_max_position_embeddings).
+TINY_SLIDING_WINDOW = 48
+TINY_ROPE_ORIGINAL_MAX = 128
 _VISION_DIMS = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
 # The smallest head size vLLM's CPU attention runs (a config without head_dim gets hidden / heads = this).
 _HEAD_DIM = 32
@@ -205,7 +209,12 @@ def _shrink_text(text: dict[str, Any], vocab_size: int, n_layers: int, fields: C
     if fields.expert_field(text.get):
         set_experts(text, TINY_EXPERTS, TINY_TOP_K, fields)
     set_depth(text, n_layers, fields)
+    if text.get("sliding_window"):
+        text["sliding_window"] = min(int(text["sliding_window"]), TINY_SLIDING_WINDOW)
     rope = text.get("rope_parameters") or text.get("rope_scaling")
+    for params in [rope, *(rope.values() if isinstance(rope, dict) else ())]:
+        if isinstance(params, dict) and params.get("original_max_position_embeddings"):
+            params["original_max_position_embeddings"] = TINY_ROPE_ORIGINAL_MAX
     if isinstance(rope, dict) and rope.get("mrope_section"):
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
         head_dim = text.get("head_dim") or text["hidden_size"] // heads

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ModelSupportError
-from model_support.core.layout import ModelLayout
+from model_support.core.layout import ConfigFields, ModelLayout, text_config
 from model_support.core.spec import HandlerSpec, LoraTarget, TargetScope, Topology
+
+if TYPE_CHECKING:
+    from model_support.core.bridge_linears import MappedLinear
+    from model_support.core.checkpoint import TextCheckpoint
 
 # The parent module each scope's HF modules live under, in transformers decoder layers.
 SCOPE_PARENTS: dict[TargetScope, tuple[str, ...]] = {
@@ -97,3 +101,158 @@ def layout_problems(spec: HandlerSpec, layout: ModelLayout) -> list[str]:
             else "handler targets a shared expert the config does not have"
         )
     return problems
+
+
+# --- the declaration against megatron-bridge's mappings and the checkpoint's tensor shapes ---------------------------
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(names) or "none"
+
+
+def target_name_problems(spec: HandlerSpec, bridge: str, linears: Sequence[MappedLinear]) -> list[str]:
+    """Declared targets whose HF modules are not those the bridge's mapping of their Megatron linear reads (the
+    modules the codec writes that linear's LoRA under), or whose Megatron linear the bridge does not map."""
+    mapped = {linear.key: linear for linear in linears}
+    problems = []
+    for target in spec.lora_targets:
+        linear = mapped.get((target.megatron, target.scope))
+        if linear is None:
+            known = _names(m.megatron for m in linears if m.scope is target.scope)
+            problems.append(
+                f"LoRA target {target.scope}:{target.megatron}: {bridge} maps no {target.scope} linear named "
+                f"{target.megatron} (its {target.scope} linears: {known})"
+            )
+        elif sorted(target.hf) != sorted(linear.hf):
+            problems.append(
+                f"LoRA target {target.scope}:{target.megatron} declares HF modules {_names(target.hf)}, but {bridge}'s "
+                f"{linear.mapping} of {target.megatron} reads {_names(linear.hf)}"
+            )
+    return problems
+
+
+def model_linears(linears: Sequence[MappedLinear], model: Any) -> list[MappedLinear]:
+    """The mapped linears the transformers ``model`` has (a bridge maps every variant of its family: DeepSeek's
+    ``q_proj`` where ``q_lora_rank`` is None, the dense MLP of an MoE family whose configs may have none)."""
+    modules = {name for name, _ in model.named_modules()}
+    params = {name for name, _ in model.named_parameters()}
+    return [
+        linear
+        for linear in linears
+        if any(_present(LoraTarget(linear.megatron, linear.hf, linear.scope), hf, modules, params) for hf in linear.hf)
+    ]
+
+
+def coverage_problems(
+    spec: HandlerSpec, bridge: str, linears: Sequence[MappedLinear], present: Sequence[MappedLinear]
+) -> tuple[list[str], list[str]]:
+    """(problems, detail lines): every LoRA linear the bridge maps and the model has (``present``) is a declared
+    target or a declared exclusion; every exclusion names a linear the bridge maps."""
+    targeted = {(t.megatron, t.scope) for t in spec.lora_targets}
+    excluded = {(e.megatron, e.scope): e for e in spec.lora_exclusions}
+    uncovered = [linear for linear in present if linear.key not in targeted and linear.key not in excluded]
+    problems = [
+        f"{bridge} maps {linear.scope} linear {linear.megatron} ({_names(linear.hf)}) of this model, which the handler "
+        "neither targets nor lists in lora_exclusions (with the reason it is not trained)"
+        for linear in uncovered
+    ]
+    mapped = {linear.key for linear in linears}
+    in_model = {linear.key for linear in present}
+    details = []
+    for key, exclusion in excluded.items():
+        where = f"{exclusion.scope}:{exclusion.megatron}"
+        if key not in mapped:
+            problems.append(f"lora exclusion {where}: {bridge} maps no such linear")
+        elif key in in_model:
+            details.append(f"not trained (lora_exclusions): {where}: {exclusion.reason}")
+        else:
+            details.append(f"lora exclusion {where}: this model has no such linear")
+    return problems, details
+
+
+def _hf_tensors(linear: MappedLinear, checkpoint: TextCheckpoint) -> dict[int, dict[int | None, str]]:
+    """The checkpoint tensors ``linear``'s mapping reads: {layer: {expert (None: not per expert): tensor name}}."""
+    out: dict[int, dict[int | None, str]] = {}
+    for pattern in linear.hf_params:
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+        for name in checkpoint:
+            if match := regex.match(name):
+                expert = int(match.group(2)) if match.lastindex and match.lastindex > 1 else None
+                out.setdefault(int(match.group(1)), {})[expert] = name
+    return out
+
+
+def _declared(fields: ConfigFields, name: str) -> str:
+    value = getattr(fields, name)
+    return f"config_fields.{name} ({getattr(value, '__name__', None) if callable(value) else repr(value)})"
+
+
+def checkpoint_size_problems(
+    spec: HandlerSpec, config: Any, layout: ModelLayout, linears: Sequence[MappedLinear], checkpoint: TextCheckpoint
+) -> tuple[list[str], list[str]]:
+    """(problems, detail lines): the MoE sizes the layout derives from the config through the declaration (expert
+    count and width, shared-expert width, which layers are dense) against the shapes of the checkpoint tensors that
+    the bridge's mappings of ``linear_fc2`` (an MLP's down projection: [hidden, width]) read."""
+    moe = layout.moe
+    if moe is None:
+        return [], []
+    fc2 = {linear.scope: linear for linear in linears if linear.megatron == "linear_fc2"}
+    if TargetScope.EXPERT not in fc2:
+        return [], ["MoE sizes not checked against the checkpoint: the bridge maps no routed-expert linear_fc2"]
+    problems = []
+    fields = spec.config_fields
+    experts = _hf_tensors(fc2[TargetScope.EXPERT], checkpoint)
+    expert_layers = {layer: experts[layer] for layer in sorted(experts) if layer < layout.num_layers}
+    # Per layer: a tensor, its shape and the expert count: the experts named (experts.<e>.down_proj.weight), or the
+    # first dimension of one stacked tensor of all experts ([experts, hidden, width]).
+    found: dict[int, tuple[str, tuple[int, ...], int]] = {}
+    for layer, tensors in expert_layers.items():
+        name = next(iter(tensors.values()))
+        shape = checkpoint.shape(name)
+        found[layer] = (name, shape, len(tensors) if None not in tensors else shape[0])
+    count_field = fields.expert_field(lambda name: getattr(text_config(config), name, None))
+    miscounted = next(((layer, name, n) for layer, (name, _, n) in found.items() if n != moe.num_experts), None)
+    if miscounted:
+        layer, name, count = miscounted
+        problems.append(
+            f"expert count: config {count_field} (config_fields.experts) = {moe.num_experts}, the checkpoint holds "
+            f"{count} experts in layer {layer} ({name} ...)"
+        )
+    width = moe.expert_intermediate_size
+    other_width = next(((name, shape) for name, shape, _ in found.values() if shape[-1] != width), None)
+    if other_width:
+        name, shape = other_width
+        problems.append(
+            f"expert width: config {fields.expert_intermediate_size} (config_fields.expert_intermediate_size) = "
+            f"{width}, the checkpoint's {name} is {list(shape)} (width {shape[-1]})"
+        )
+    dense = sorted(set(range(layout.num_layers)) - set(expert_layers))
+    if not expert_layers:
+        problems.append(
+            f"the checkpoint holds no routed-expert tensor the bridge reads ({fc2[TargetScope.EXPERT].hf_params[0]}), "
+            f"though the config has {moe.num_experts} experts"
+        )
+    elif dense != sorted(moe.dense_layers):
+        problems.append(
+            f"dense layers: {_declared(fields, 'dense_layers')} gives {sorted(moe.dense_layers)}, the checkpoint has "
+            f"no routed experts ({fc2[TargetScope.EXPERT].hf_params[0]}) in layers {dense}"
+        )
+    shared, shared_width = fc2.get(TargetScope.SHARED_EXPERT), moe.shared_expert_intermediate_size
+    declared = f"shared-expert width: {_declared(fields, 'shared_expert_intermediate_size')} gives {shared_width}"
+    if shared is None and moe.has_shared_expert:
+        problems.append(f"{declared}, but megatron-bridge maps no shared expert of this family")
+    elif shared is not None:
+        by_layer = _hf_tensors(shared, checkpoint)
+        names = [name for layer in sorted(by_layer) if layer < layout.num_layers for name in by_layer[layer].values()]
+        wrong = next((name for name in names if checkpoint.shape(name)[-1] != shared_width), None)
+        if wrong:
+            shape = checkpoint.shape(wrong)
+            problems.append(f"{declared}, the checkpoint's {wrong} is {list(shape)} (width {shape[-1]})")
+        elif not names and moe.has_shared_expert:
+            problems.append(f"{declared}, the checkpoint holds no shared-expert tensor ({shared.hf_params[0]})")
+    if problems:
+        return problems, []
+    checked = f"{moe.num_experts} experts of width {width} in {len(expert_layers)} layer(s), dense layers {dense}"
+    if moe.has_shared_expert:
+        checked += f", shared expert of width {shared_width}"
+    return [], [f"MoE sizes match the checkpoint's tensor shapes: {checked}"]

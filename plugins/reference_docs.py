@@ -56,6 +56,9 @@ FIELD_DOCS = {
     "the `TransformerBlockSubmodules` of this pipeline stage's layers for the provider's config and `vp_stage`: "
     "`core.megatron.spec.stage_layers` cuts a per-layer list), where the family needs modules of its own; imported "
     "only when a Megatron model is built (default: the local spec of `core/megatron/spec.py`).",
+    "lora_exclusions": "`LoraExclusion(megatron, scope, reason)` entries: a LoRA linear the bridge maps (attention, "
+    "GDN, dense MLP, shared or routed experts) that the family does not train, and why; `architecture` fails on a "
+    "mapped linear that is neither a target nor an exclusion, and `show` lists them.",
     "tiny_config": "`{field: value}` set on the tiny replica's text config after the generic shrink: sizes a kernel "
     "needs (e.g. vLLM's CPU GDN head size), family fields the generic shrink does not know.",
     "config_requirements": "`ConfigRequirement(field, allowed, reason)` entries, or functions of a checkpoint's "

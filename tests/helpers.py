@@ -11,6 +11,7 @@ from pathlib import Path
 MEGATRON_STAGES = (
     "hf_parity",
     "lora_coverage",
+    "lora_gradients",
     "packed_position_ids",
     "shared_prefix",
     "trainability",

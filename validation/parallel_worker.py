@@ -8,8 +8,10 @@ micro-batches), reduces the gradients as a trainer does (``api.reduce_lora_grads
 and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, each router's top-k expert sets (every
 token, in sequence order), the PEFT adapter the handler's codec exports before and after the step, the merged HF
 weights after it (``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions
-each; not under context parallelism, which needs THD attention for packed rows). ``single`` (one rank's model, the
-rest data parallel) is the oracle the stage compares every other layout with. A rank's error goes to
+each; not under context parallelism, which needs THD attention for packed rows), the adapter ``api.apply_lora``
+draws (its seed makes it one canonical adapter in every layout), and the trainer's scoring calls
+(``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are from rank 0's. ``single`` (one
+rank's model, the rest data parallel) is the oracle the stage compares every other layout with. A rank's error goes to
 ``OUT/<layout>.rank<R>.error``.
 """
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from model_support.core import api
+from model_support.core.layout import long_row_length
 from model_support.core.megatron.builder import global_name
 from model_support.core.megatron.context_parallel import whole_sequence
 from model_support.core.megatron.dist import ParallelLayout
@@ -38,7 +41,9 @@ from model_support.validation.selftest import MUTATION_ENV, injected
 
 SEED = 3
 LR = 0.5
-TOKENS = (2, 16)  # batch, sequence (a multiple of every tensor- and context-parallel split tried)
+BATCH = 2
+# Sequence lengths are a multiple of every tensor- and context-parallel split tried (2 x cp x tp, at most 16).
+SPLIT = 16
 MICRO_BATCHES = 2  # more than one, so a pipeline schedule interleaves them
 SHARED_ROW = (10, (6, 4, 6))  # a prompt and its completions in one row (26 tokens: even, for TP)
 
@@ -96,17 +101,53 @@ def _next_token_loss(out: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def _sequence_length(model: api.TrainingModel) -> int:
+    """A row across every length-dependent structure of the model (GDN chunks, a sliding window, where rope scaling
+    starts: ``long_row_length``), rounded up to a multiple of ``SPLIT``."""
+    return -(-long_row_length(model.config, model.layout) // SPLIT) * SPLIT
+
+
+def _scored(model: api.TrainingModel) -> dict[str, torch.Tensor]:
+    """The trainer's scoring calls: ``api.token_logprobs`` of a row across the model's length structures
+    (``long_row_length``) packed with a short one, and ``api.group_logprobs`` of a prompt with a completion reaching
+    as far and a short one; and ``logprobs_rank_spread``, the largest distance of any rank's rows from rank 0's
+    (every rank gets the rows, the first pipeline stage included)."""
+    gen = torch.Generator().manual_seed(SEED + 4)
+    long = long_row_length(model.config, model.layout)
+    # The short rows make each packed row's length odd, which sequence and context parallelism must pad.
+    sequences = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (long, 7 - long % 2)]
+    prompt = torch.randint(0, 500, (9,), generator=gen).tolist()
+    completions = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (long - 9, 5 - long % 2)]
+    with torch.no_grad():
+        rows = {f"token_logprobs.{i}": r for i, r in enumerate(api.token_logprobs(model, sequences))}
+        rows |= {f"group_logprobs.{i}": r for i, r in enumerate(api.group_logprobs(model, prompt, completions))}
+    shapes: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(shapes, [tuple(r.shape) for r in rows.values()])
+    spread = torch.tensor(0.0 if all(s == shapes[0] for s in shapes) else float("inf"))
+    if spread == 0:
+        for mine in rows.values():
+            first = mine.clone()
+            dist.broadcast(first, src=0)
+            spread = torch.maximum(spread, (mine - first).abs().max().cpu())
+    spread = spread.to(next(iter(rows.values())).device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return rows | {"logprobs_rank_spread": spread.reshape(1)}
+
+
 def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> None:
     from megatron.core import parallel_state
 
     layout = _layout(name)
     handler = load_registry().get(handler_name)
     model = api.build_model(model_dir, handler=handler, parallel=layout, dtype=torch.float32)
-    api.apply_lora(model, rank=4, alpha=8.0)
+    api.apply_lora(model, rank=4, alpha=8.0, seed=SEED)
     chunks = model.chunks
+    # apply_lora's seed draws one canonical adapter in every layout: its export must match the oracle's bit for bit.
+    fresh = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
     load_lora_state(chunks, random_lora_state(chunks, seed=SEED, b_std=0.05))
     before = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
-    tokens = torch.randint(0, 500, TOKENS, generator=torch.Generator().manual_seed(SEED + 2))
+    shape = (BATCH, _sequence_length(model))
+    tokens = torch.randint(0, 500, shape, generator=torch.Generator().manual_seed(SEED + 2))
     records, handles = _router_topk(chunks)
     # Every data-parallel replica sees the same tokens, so the reduced gradient is the single model's.
     step = api.forward_backward(model, tokens, _next_token_loss, micro_batches=MICRO_BATCHES, keep_logits=True)
@@ -119,7 +160,7 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> 
                 if param.requires_grad and param.grad is not None:
                     param -= LR * param.grad
     after = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
-    rows = TOKENS[0] // MICRO_BATCHES
+    rows = BATCH // MICRO_BATCHES
     topk = {
         f"topk.{router}.{i}": _whole_sequence(call, rows, layout.sequence_parallel)
         for router, calls in records.items()
@@ -143,10 +184,12 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> 
             keep_logits=True,
         )
         shared = {"shared_logits": out.logits}
+    scored = _scored(model)
     if dist.get_rank() == 0:
         tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}
-        tensors |= topk | {f"merged.{k}": v for k, v in merged.items()}
+        tensors |= topk | {f"merged.{k}": v for k, v in merged.items()} | {f"fresh.{k}": v for k, v in fresh.items()}
+        tensors |= scored
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"{name}.safetensors"))
     dist.barrier()
     parallel_state.destroy_model_parallel()

@@ -304,6 +304,187 @@ def _context_keys_local() -> AbstractContextManager[Any]:
     return mock.patch.object(context_parallel, "gather_keys", lambda local, cp_group: local)
 
 
+def _gdn_chunk_state_not_decayed() -> AbstractContextManager[Any]:
+    """The chunked GDN kernel carries the state into the next chunk without the chunk's decay (seen past 64 tokens)."""
+    from model_support.kernels import gdn
+
+    recurrence = gdn.state_recurrence
+
+    def undecayed(u: Any, w: Any, kd: Any, gamma: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return recurrence(u, w, kd, torch.ones_like(gamma), *args, **kwargs)
+
+    return mock.patch.object(gdn, "state_recurrence", undecayed)
+
+
+def _declared(handler: str, change: Callable[[Any], Any]) -> AbstractContextManager[Any]:
+    """``handler``'s registered declaration replaced by ``change(spec)`` in every registry built, as if its plugin
+    declared it so (the replacement still passes ``declaration_problems``)."""
+    from model_support.core.registry import RegisteredHandler, Registry
+
+    build = Registry.from_plugins.__func__
+
+    def patched(cls: type[Registry], loaded: Any, preferences: Any = None) -> Registry:
+        registry = build(cls, loaded, preferences)
+        entry = registry.handlers.get(handler)
+        if entry is not None:
+            changed = RegisteredHandler(change(entry.spec), entry.plugin)
+            registry.handlers[handler] = changed
+            for claimants in registry.claims.values():
+                claimants[:] = [changed if claimant is entry else claimant for claimant in claimants]
+        return registry
+
+    return mock.patch.object(Registry, "from_plugins", classmethod(patched))
+
+
+def _fc1_declares_gate_only() -> AbstractContextManager[Any]:
+    from dataclasses import replace
+
+    from model_support.core.spec import TargetScope
+
+    def gate_only(spec: Any) -> Any:
+        targets = tuple(
+            replace(t, hf=("gate_proj",)) if (t.megatron, t.scope) == ("linear_fc1", TargetScope.MLP) else t
+            for t in spec.lora_targets
+        )
+        return replace(spec, lora_targets=targets)
+
+    return _declared("qwen3", gate_only)
+
+
+def _gdn_in_proj_not_targeted() -> AbstractContextManager[Any]:
+    from dataclasses import replace
+
+    from model_support.core.spec import TargetScope
+
+    def without_in_proj(spec: Any) -> Any:
+        targets = tuple(t for t in spec.lora_targets if (t.megatron, t.scope) != ("in_proj", TargetScope.GDN))
+        return replace(spec, lora_targets=targets)
+
+    return _declared("qwen3.5", without_in_proj)
+
+
+def _doubled_shared_expert_width(text: Any) -> int:
+    return 2 * text.shared_expert_intermediate_size
+
+
+def _shared_expert_width_doubled() -> AbstractContextManager[Any]:
+    from dataclasses import replace
+
+    def doubled(spec: Any) -> Any:
+        fields = replace(spec.config_fields, shared_expert_intermediate_size=_doubled_shared_expert_width)
+        return replace(spec, config_fields=fields)
+
+    return _declared("qwen3.5-moe", doubled)
+
+
+def _group_logprobs_off_by_one() -> AbstractContextManager[Any]:
+    """``api.group_logprobs`` returns each completion's rows one position late (row t scores c[t + 1])."""
+    from model_support.core import api
+
+    group = api.group_logprobs
+
+    def shifted(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        return [rows.roll(-1, dims=0) for rows in group(*args, **kwargs)]
+
+    return mock.patch.object(api, "group_logprobs", shifted)
+
+
+def _fresh_adapter_not_identity() -> AbstractContextManager[Any]:
+    """``apply_lora``'s fresh adapter draws B ~ N(0, 0.02) instead of zeros."""
+    from model_support.core.megatron import lora
+
+    factors = lora.fresh_factors
+
+    def random_b(name: str, seed: int, shape_a: Any, shape_b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = factors(name, seed, shape_a, shape_b)
+        return a, torch.randn(b.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+    return mock.patch.object(lora, "fresh_factors", random_b)
+
+
+def _lora_dropout_in_train_mode() -> AbstractContextManager[Any]:
+    """A Dropout(p=0.1) on the LoRA branch's input, active in train mode (one rank: the branch is linear there, so
+    adding ``scale * B(A(dropout(x) - x))`` is the branch run on ``dropout(x)``)."""
+    from contextlib import ExitStack
+
+    from model_support.core.megatron.lora import LoraLinear
+
+    init, forward = LoraLinear.__init__, LoraLinear.forward
+
+    def patched_init(self: LoraLinear, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.lora_dropout = torch.nn.Dropout(0.1)
+
+    def patched_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out, bias = forward(self, x, *args, **kwargs)
+        dropped = (self.lora_dropout(x) - x).to(self.lora_A.weight.dtype)
+        extra = torch.nn.functional.linear(torch.nn.functional.linear(dropped, self.lora_A.weight), self.lora_B.weight)
+        return out + (self.scale * extra).to(out.dtype), bias
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(LoraLinear, "__init__", patched_init))
+    stack.enter_context(mock.patch.object(LoraLinear, "forward", patched_forward))
+    return stack
+
+
+def _scoring_outside_the_schedule() -> AbstractContextManager[Any]:
+    """The trainer's scoring calls run this rank's own model chunk directly, outside megatron-core's schedule: a
+    first pipeline stage has no logits, a last one reads stale activations."""
+    from model_support.core.megatron import forward
+
+    def own_chunk(chunks: Any, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return forward.logits(list(chunks)[-1], input_ids, position_ids)
+
+    return mock.patch.object(forward, "scored_logits", own_chunk)
+
+
+def _lora_update(branch: Callable[[Any, torch.Tensor], torch.Tensor]) -> AbstractContextManager[Any]:
+    """``LoraLinear.forward`` on one rank (the tiny replicas' layout), its update computed by ``branch(self, x)``."""
+    from model_support.core.megatron.lora import LoraLinear
+
+    def forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        post_norm = getattr(self.base, "post_layernorm", None)
+        out, bias = (self.base if post_norm is None else self.base.project)(x, *args, **kwargs)
+        out = out + branch(self, x).to(out.dtype)
+        return (out if post_norm is None else post_norm(out)), bias
+
+    return mock.patch.object(LoraLinear, "forward", forward)
+
+
+def _lora_input_detached() -> AbstractContextManager[Any]:
+    def branch(self: Any, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.linear(x.detach().to(self.lora_A.weight.dtype), self.lora_A.weight)
+        return self.scale * torch.nn.functional.linear(hidden, self.lora_B.weight)
+
+    return _lora_update(branch)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _lora_b_grad_unscaled() -> AbstractContextManager[Any]:
+    """The forward is right; B's gradient leaves out the LoRA scale alpha / r (as a fused kernel's backward might).
+    Adam normalises a gradient's scale away, so training barely notices."""
+
+    def branch(self: Any, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.linear(x.to(self.lora_A.weight.dtype), self.lora_A.weight)
+        # (a stage may zero the scale to run without the adapter)
+        weight_b = _ScaledGradient.apply(self.lora_B.weight, 1 / self.scale) if self.scale else self.lora_B.weight
+        return self.scale * torch.nn.functional.linear(hidden, weight_b)
+
+    return _lora_update(branch)
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("gate-up-swapped", "codec reads Megatron's fused fc1 as [up; gate]", "qwen3", "lora_coverage",
              _gate_up_swapped),
@@ -347,6 +528,26 @@ MUTATIONS: tuple[Mutation, ...] = (
              "parallel_parity", lambda: _part_not_gathered("pipeline")),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",
              "parallel_parity", _context_keys_local),
+    Mutation("gdn-chunk-state-not-decayed", "GDN kernel carries its state into the next 64-token chunk undecayed",
+             "qwen3.5", "hf_parity", _gdn_chunk_state_not_decayed),
+    Mutation("fc1-declares-gate-only", "the declaration's dense linear_fc1 target lists gate_proj, not up_proj",
+             "qwen3", "architecture", _fc1_declares_gate_only),
+    Mutation("gdn-in-proj-not-targeted", "the declaration leaves GDN in_proj without LoRA (and without an exclusion)",
+             "qwen3.5", "architecture", _gdn_in_proj_not_targeted),
+    Mutation("shared-expert-width-doubled", "the declaration reads the shared-expert width as twice the config's",
+             "qwen3.5-moe", "architecture", _shared_expert_width_doubled),
+    Mutation("group-logprobs-off-by-one", "api.group_logprobs returns each completion's rows one position late",
+             "qwen3", "shared_prefix", _group_logprobs_off_by_one),
+    Mutation("fresh-adapter-not-identity", "apply_lora's fresh adapter has B ~ N(0, 0.02), not zeros", "qwen3",
+             "lora_coverage", _fresh_adapter_not_identity),
+    Mutation("lora-dropout-in-train-mode", "a Dropout(p=0.1) in the LoRA branch, active in train mode", "qwen3",
+             "lora_coverage", _lora_dropout_in_train_mode),
+    Mutation("scoring-outside-pipeline-schedule", "token/group logprobs run the rank's own pipeline stage outside "
+             "the schedule", "qwen3", "parallel_parity", _scoring_outside_the_schedule),
+    Mutation("lora-input-detached", "the LoRA branch takes x.detach(): no gradient through it into earlier layers",
+             "qwen3", "lora_gradients", _lora_input_detached),
+    Mutation("lora-b-grad-unscaled", "LoRA B's gradient misses the alpha / r scale (the forward is right)", "qwen3",
+             "lora_gradients", _lora_b_grad_unscaled),
 )  # fmt: skip
 
 # Set while a mutation runs, so that the stages' worker processes (parallel_parity's torchrun job) inject it too.

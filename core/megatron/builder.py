@@ -56,6 +56,10 @@ class MegatronBuildError(ModelSupportError):
     """The Megatron model could not be built or filled from the checkpoint."""
 
 
+class UnimplementedFeatureError(MegatronBuildError):
+    """The config asks for a feature (a sliding window, rope scaling) the built model does not implement."""
+
+
 # A grouped-GEMM expert weight's name (`weight*`: one tensor per expert) and the per-expert SequentialMLP name of the
 # same linear; both name the experts in the same order (layer, expert), so a mapping serves either unchanged.
 _GROUPED_EXPERTS = re.compile(r"^(?P<head>.*\.mlp\.experts)\.(?P<fc>linear_fc\d+)\.weight\*$")
@@ -331,6 +335,11 @@ def build_megatron_model(
                 with _cpu_as_current_device():
                     chunks.append(provider.provide(vp_stage=vp_stage).to(numerics.device))
                 _keep_on_cpu(chunks[-1])
+    from model_support.core.megatron.features import unimplemented
+
+    ignored = unimplemented(tcfg, chunks)
+    if ignored:  # a model that computes the checkpoint's function on short rows only must not train
+        raise UnimplementedFeatureError("; ".join(ignored))
     built = MegatronModel(chunks, provider, model_bridge, checkpoint, parallel, numerics)
     _load_weights(built)
     return built

@@ -180,7 +180,7 @@ def forward_backward(
     cp = parallel_state.get_context_parallel_world_size()
     if position_ids is not None and cp > 1:
         raise ValueError("packed rows under context parallelism need THD attention, which the local spec lacks")
-    if seq % (2 * cp):
+    if cp > 1 and seq % (2 * cp):
         raise ValueError(f"context parallel {cp} splits sequences into {2 * cp} chunks: {seq} tokens do not")
     size = batch // micro_batches
     device = next(chunks[0].parameters()).device
@@ -235,3 +235,54 @@ def forward_backward(
             out = out if last else torch.empty(batch, seq, vocab, device=device)
             dist.broadcast(out, src=src, group=group)
     return StepOutput(loss, out)
+
+
+def scored_logits(
+    chunks: Sequence[torch.nn.Module], input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, S, V] fp32 logits of ``input_ids`` (plain rows, or one packed row with its ``position_ids``) on every rank,
+    in any layout: one forward through :func:`forward_backward`'s schedule, so pipeline stages pass their activations
+    and context-parallel ranks their parts of the sequence.
+
+    Differentiable without pipeline parallelism (under context parallelism a rank's gradient covers the tokens it
+    ran, as in :func:`forward_backward`). Under pipeline parallelism the last stage's logits are broadcast to every
+    stage, detached: no stage can backpropagate through the others outside the schedule (train through
+    :func:`forward_backward`'s ``loss_fn``). Rows are padded at the end to a length the layout splits evenly (sequence
+    parallel: a multiple of the tensor-parallel size; context parallel: of 2 x cp); a packed row's padding is a
+    sequence of its own, so no scored token sees it.
+    """
+    from megatron.core import parallel_state
+
+    chunks = list(chunks)
+    batch, length = input_ids.shape
+    cp = parallel_state.get_context_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    multiple = (tp if chunks[0].config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+    pad = -length % multiple
+    if pad:
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        if position_ids is not None:
+            position_ids = torch.cat([position_ids, torch.arange(pad).expand(batch, pad)], dim=1)
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+    # The interleaved schedule needs at least as many micro-batches as pipeline stages: the batch runs that often.
+    repeats = pipeline if len(chunks) > 1 else 1
+    if repeats > 1:
+        input_ids = input_ids.repeat(repeats, 1)
+        position_ids = None if position_ids is None else position_ids.repeat(repeats, 1)
+    captured: list[torch.Tensor] = []
+
+    def keep(out: torch.Tensor, _micro: MicroBatch) -> torch.Tensor:
+        captured.append(out)
+        return out.new_zeros(())
+
+    step = forward_backward(
+        chunks,
+        input_ids,
+        keep,
+        position_ids=position_ids,
+        micro_batches=repeats,
+        forward_only=True,
+        keep_logits=pipeline > 1,
+    )
+    out = captured[0] if pipeline == 1 else step.logits[:batch]
+    return out[:, :length]

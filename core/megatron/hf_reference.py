@@ -15,6 +15,9 @@ Each MoE block's router input, router logits and top-k indices are recorded (``R
 the model under test can be fed the same router inputs and replay the same routing. The top-k is read where the
 block hands it to its experts module (``experts(hidden_states, top_k_index, top_k_weights)``, transformers'
 common MoE interface), so it does not matter whether the router or the block itself chooses the experts.
+
+For gradients, :func:`whole_reference` loads every layer the same way and keeps them (the whole model in memory,
+autograd through it), and :func:`checkpoint_gradients` names its weights' gradients after the checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ class StreamedReference:
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
+        if dtype == torch.float32:
+            _torch_kernels(self.model)
         num_layers = int(text_config(config).num_hidden_layers)
         self.layers = _decoder_layers(self.model, num_layers)
         self._by_layer: dict[int | None, list[str]] = {}
@@ -182,6 +187,17 @@ class StreamedReference:
         self._load(self._by_layer.get(index, []))
         self._check_loaded(self.layers[index], what=f"decoder layer {index}")
 
+    def _checked(self, adapter: dict[str, LoraDelta] | None) -> dict[str, LoraDelta]:
+        """``adapter`` (or none), refused when it names a tensor the checkpoint lacks or one outside the layers."""
+        deltas = adapter or {}
+        unknown = sorted(k for k in deltas if k not in self._raw_names)
+        if unknown:
+            raise ReferenceError(f"adapter modules not in the checkpoint: {unknown[:3]}")
+        global_deltas = [k for k in deltas if self.checkpoint.layer_of(self._raw_names[k]) is None]
+        if global_deltas:
+            raise ReferenceError(f"adapter changes tensors outside the decoder layers: {global_deltas[:3]}")
+        return deltas
+
     @torch.no_grad()
     def forward(
         self,
@@ -196,30 +212,17 @@ class StreamedReference:
         ``routers``: record each MoE router's input, logits and top-k. ``replay``: one top-k index tensor per
         router (e.g. another run's), taken instead of the router's own choice.
         """
-        deltas = adapter or {}
-        unknown = sorted(k for k in deltas if k not in self._raw_names)
-        if unknown:
-            raise ReferenceError(f"adapter modules not in the checkpoint: {unknown[:3]}")
-        global_deltas = [k for k in deltas if self.checkpoint.layer_of(self._raw_names[k]) is None]
-        if global_deltas:
-            raise ReferenceError(f"adapter changes tensors outside the decoder layers: {global_deltas[:3]}")
-        self._deltas = deltas
+        self._deltas = self._checked(adapter)
         handles = []
         for index, layer in enumerate(self.layers):
             handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=index: self._enter_layer(i)))
             handles.append(layer.register_forward_hook(lambda m, _a, _o: _drop_weights(m)))
-        blocks = _moe_blocks(self.model)
-        if replay is not None and len(replay) != len(blocks):
-            raise ReferenceError(f"{len(replay)} routings to replay for {len(blocks)} MoE routers")
         captures: list[RouterCapture] = []
-        for position, (name, router, experts) in enumerate(blocks):
-            seen: dict[str, torch.Tensor] = {}
-            handles.append(router.register_forward_hook(_router_hook(seen)))
-            target = None if replay is None else replay[position]
-            hook = _experts_hook(name, seen, captures if routers else None, target)
-            handles.append(experts.register_forward_pre_hook(hook, with_kwargs=True))
         try:
-            with exact_fp32(self.dtype == torch.float32):
+            with (
+                routing_hooks(self.model, captures if routers else None, replay),
+                exact_fp32(self.dtype == torch.float32),
+            ):
                 out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
         finally:
             for handle in handles:
@@ -228,6 +231,55 @@ class StreamedReference:
             for layer in self.layers:
                 _drop_weights(layer)
         return ReferenceOutput(out.logits.float(), captures)
+
+
+def whole_reference(
+    model_dir: Path,
+    config: Any,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    adapter: dict[str, LoraDelta] | None = None,
+) -> torch.nn.Module:
+    """The whole transformers model in memory (every layer loaded as :class:`StreamedReference` loads one, with
+    ``adapter`` merged), for autograd through it: gradients of its weights name checkpoint tensors through
+    :func:`checkpoint_gradients`. Its MoE routing can be recorded or replayed with :func:`routing_hooks`."""
+    reference = StreamedReference(model_dir, config, device, dtype)
+    reference._deltas = reference._checked(adapter)
+    for index in range(len(reference.layers)):
+        reference._enter_layer(index)
+    # Gradients for the decoder layers' weights (where an adapter lives), none for the embedding and head.
+    for param in reference.model.parameters():
+        param.requires_grad_(False)
+    for param in reference.layers.parameters():
+        param.requires_grad_(True)
+    return reference.model
+
+
+def checkpoint_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients held by ``model``'s parameters (:func:`whole_reference`), keyed by the checkpoint tensors they
+    were loaded from: transformers' own reverse of its loading conversions (its save path) splits a fused parameter
+    (e.g. stacked experts, gate and up concatenated) back into the checkpoint's tensors. Those conversions only move
+    elements, so the reverse of a parameter's gradient is the gradient of the checkpoint tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _torch_kernels(model: torch.nn.Module) -> None:
+    """Run the fp32 oracle's Gated DeltaNet layers on transformers' own torch reference
+    (``torch_chunk_gated_delta_rule`` and the torch causal convolution of the family's modeling module) where
+    transformers would dispatch to fla's
+    Triton kernels: the oracle's job is exactness, and fla would autotune its kernels anew at full precision for
+    minutes on a fresh GPU."""
+    import sys
+
+    for module in model.modules():
+        if not hasattr(module, "chunk_gated_delta_rule"):
+            continue
+        modeling = sys.modules[type(module).__module__]
+        module.chunk_gated_delta_rule = getattr(modeling, "torch_chunk_gated_delta_rule", module.chunk_gated_delta_rule)
+        if hasattr(module, "causal_conv1d_fn"):
+            module.causal_conv1d_fn = None  # the modeling code's own conv1d + silu path
 
 
 def _drop_weights(module: torch.nn.Module) -> None:
@@ -246,12 +298,37 @@ def _moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torc
     return blocks
 
 
+@contextmanager
+def routing_hooks(
+    model: torch.nn.Module, captures: list[RouterCapture] | None = None, replay: list[torch.Tensor] | None = None
+) -> Iterator[None]:
+    """While open, each MoE block of ``model`` (in layer order) appends its routing to ``captures`` and/or takes the
+    top-k indices of ``replay`` (one tensor per block) instead of its router's choice. Under autograd the replayed
+    weights stay functions of the router's logits, as the router's own would."""
+    blocks = _moe_blocks(model)
+    if replay is not None and len(replay) != len(blocks):
+        raise ReferenceError(f"{len(replay)} routings to replay for {len(blocks)} MoE routers")
+    handles = []
+    for position, (name, router, experts) in enumerate(blocks):
+        seen: dict[str, torch.Tensor] = {}
+        handles.append(router.register_forward_hook(_router_hook(seen)))
+        target = None if replay is None else replay[position]
+        handles.append(experts.register_forward_pre_hook(_experts_hook(name, seen, captures, target), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _router_hook(seen: dict[str, torch.Tensor]) -> Any:
-    """Keep the router's input rows [T, H] and logits [T, E] (its output, or the first of its outputs)."""
+    """Keep the router's input rows [T, H] and logits [T, E] (its output, or the first of its outputs), and the
+    logits as computed (``live``: with their autograd history, for replayed weights)."""
 
     def record(_module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        live = out if isinstance(out, torch.Tensor) else out[0]
         seen["inputs"] = args[0].reshape(-1, args[0].shape[-1]).detach()
-        seen["logits"] = (out if isinstance(out, torch.Tensor) else out[0]).detach().float()
+        seen["logits"], seen["live"] = live.detach().float(), live.float()
 
     return record
 
@@ -273,7 +350,7 @@ def _experts_hook(
         if target is None:
             return None
         indices = target.to(chosen.device, chosen.dtype)
-        replayed = _replayed_weights(name, seen["logits"], chosen, weights, indices)
+        replayed = _replayed_weights(name, seen["live"], chosen, weights, indices)
         return (hidden, indices, replayed.to(weights.dtype)), rest
 
     return before
@@ -290,8 +367,8 @@ def _replayed_weights(
         picked = score.gather(1, chosen)
         for normalise in (False, True):
             base = picked / picked.sum(-1, keepdim=True) if normalise else picked
-            scale = (weights / base).mean()
-            if torch.allclose(weights, scale * base, rtol=1e-2, atol=1e-4):
+            scale = (weights / base).mean().detach()  # the rule's constant (e.g. a routed scaling factor)
+            if torch.allclose(weights.detach(), scale * base.detach(), rtol=1e-2, atol=1e-4):
                 replayed = score.gather(1, target)
                 return scale * (replayed / replayed.sum(-1, keepdim=True) if normalise else replayed)
     raise ReferenceError(

@@ -29,6 +29,7 @@ canonical (TP=1) layout the codecs use. A fused output dimension is sharded per 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -149,6 +150,11 @@ class LoraLinear(torch.nn.Module):
             pieces.extend(shard[offset : offset + chunk] for shard in shards)
             offset += chunk
         return torch.cat(pieces)
+
+    def canonical_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shapes of (A, B) in the TP=1 layout."""
+        (rank, cols), (rows, _) = self.lora_A.weight.shape, self.lora_B.weight.shape
+        return (rank, cols if self.column else cols * self.tp), (rows * self.tp if self.column else rows, rank)
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [r, in], B [out, r]) in the TP=1 layout, on every rank."""
@@ -334,6 +340,25 @@ def reduce_lora_grads(model: Chunks) -> None:
             if param.grad is not None:
                 param.grad *= scale
                 dist.all_reduce(param.grad, group=expert if module.expert else dense)
+
+
+def fresh_factors(
+    name: str, seed: int, shape_a: tuple[int, int], shape_b: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh adapter's canonical (A, B) for module ``name`` (its single-rank name): A drawn as PEFT (and
+    ``torch.nn.Linear``) draws it, uniform in +-1/sqrt(in), from a generator seeded by ``seed`` and ``name``; B = 0,
+    so the wrapped module computes what it did before."""
+    key = int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
+    gen = torch.Generator().manual_seed(key)
+    a = (torch.rand(shape_a, generator=gen) * 2 - 1) / shape_a[1] ** 0.5
+    return a, torch.zeros(shape_b)
+
+
+def fresh_lora(model: Chunks, *, seed: int) -> None:
+    """Give every LoRA module of this rank a fresh adapter (:func:`fresh_factors`): the same canonical adapter on
+    every rank and in every parallel layout for one ``seed``, drawn for this rank's modules only (no communication)."""
+    for name, module in lora_modules(model).items():
+        module.load_canonical(*fresh_factors(name, seed, *module.canonical_shapes()))
 
 
 def random_lora_state(model: Chunks, *, seed: int, b_std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -79,6 +79,15 @@ def with_random_lora(ctx: Any, offset: int) -> MegatronModel:
     return built
 
 
+def long_row(ctx: Any) -> int:
+    """The length of the run's long rows: across every length-dependent structure of the model
+    (:func:`~model_support.core.layout.length_structures`), and at least ``REAL_WIDTH_LONG_ROW`` tokens on a GPU."""
+    from model_support.core.layout import REAL_WIDTH_LONG_ROW, long_row_length
+
+    floor = REAL_WIDTH_LONG_ROW if device().type == "cuda" else 0
+    return long_row_length(ctx.config, ctx.layout, floor=floor)
+
+
 def random_tokens(ctx: Any, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
     """Token ids drawn from the model's vocabulary with the run's seed."""
     from model_support.core.layout import text_config

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -197,8 +198,10 @@ def _localize(spec: ModuleSpec, config: Any) -> ModuleSpec:
         spec.submodules.pre_mlp_layernorm = norm
         attention = spec.submodules.self_attention.submodules
         # q/k norms of self-attention, q/kv norms of multi-latent attention: those the spec builds.
+        # megatron-core's spec fills an absent norm with IdentityOp (its sequence-parallel check refuses a real norm
+        # there when the config has no q/k norm).
         for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
-            if getattr(attention, name, None) is not None:
+            if getattr(attention, name, None) not in (None, IdentityOp):
                 setattr(attention, name, norm)
     return spec
 

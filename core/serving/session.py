@@ -205,6 +205,12 @@ def served_prompt_logprobs(choice: dict[str, Any], seq: list[int]) -> torch.Tens
 
 
 def random_prompts(ctx: CheckContext, count: int, length: int) -> list[list[int]]:
+    """``count`` random prompts of ``length`` tokens and one more across every length-dependent structure of the model
+    (GDN chunks, a sliding window, where rope scaling starts: ``long_row_length``), so a serving comparison sees
+    what a long rollout sees."""
+    from model_support.core.layout import long_row_length
+
     vocab = int(getattr(ctx.config.get_text_config(), "vocab_size", 512))
     gen = torch.Generator().manual_seed(ctx.seed + 11)
-    return [torch.randint(10, min(vocab, 500), (length,), generator=gen).tolist() for _ in range(count)]
+    lengths = [length] * count + [long_row_length(ctx.config, ctx.layout)]
+    return [torch.randint(10, min(vocab, 500), (n,), generator=gen).tolist() for n in lengths]

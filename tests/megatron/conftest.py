@@ -18,7 +18,14 @@ def require_megatron() -> None:
         pytest.skip(str(exc))
 
 
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "shared_prefix", "trainability")
+MEGATRON_STAGES = (
+    "hf_parity",
+    "lora_coverage",
+    "lora_gradients",
+    "packed_position_ids",
+    "shared_prefix",
+    "trainability",
+)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,31 @@ def test_resolve_and_build_describe_what_runs(qwen35):
         api.apply_lora(qwen35)
 
 
+def test_apply_lora_leaves_the_model_unchanged_and_draws_the_seeds_canonical_adapter(tiny_model_dir):
+    from model_support.core.megatron.forward import logits
+    from model_support.core.megatron.lora import fresh_lora
+
+    require_megatron()
+    model_dir = tiny_model_dir("qwen3")
+    model = api.build_model(model_dir, handler=api.resolve(model_dir))
+    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = logits(model.module, tokens)
+        api.apply_lora(model, rank=4, alpha=8.0, seed=7)
+        assert torch.equal(logits(model.module, tokens), base)  # B = 0: bit for bit
+    state = lora_state(model.module)
+    a = {k: v for k, v in state.items() if k.endswith("lora_A.weight")}
+    assert len(a) == 8 and all((v == 0).all() for k, v in state.items() if k.endswith("lora_B.weight"))
+    # PEFT's (and torch.nn.Linear's) draw: uniform in +-1/sqrt(in), each module its own.
+    assert all(0.9 < v.abs().max() * v.shape[1] ** 0.5 <= 1 for v in a.values())
+    qkv = [v for k, v in a.items() if k.endswith("linear_qkv.lora_A.weight")]
+    assert len(qkv) == 2 and not torch.equal(*qkv)
+    fresh_lora(model.module, seed=7)
+    assert all(torch.equal(lora_state(model.module)[k], v) for k, v in a.items())
+    fresh_lora(model.module, seed=8)
+    assert not any(torch.equal(lora_state(model.module)[k], v) for k, v in a.items())
+
+
 def test_a_layout_that_disagrees_with_the_callers_groups_is_refused(qwen35):
     with pytest.raises(ParallelLayoutError, match="initialised with tensor parallel 1, the model asks for 2"):
         api.build_model(qwen35.model_dir, handler=qwen35.handler, parallel=api.ParallelLayout(tensor_parallel=2))

@@ -20,6 +20,9 @@ def test_hf_parity(megatron_report, handler: str) -> None:
     assert result.status is Status.PASS, result.summary
     assert result.metrics["max_abs_err"] < 1e-4
     assert result.metrics["rel_err"] < 1e-4
+    # ... and on a row across every GDN chunk boundary (Qwen3.5) or one chunk and a token.
+    assert result.metrics["long_tokens"] == (193 if handler.startswith("qwen3.5") else 65)
+    assert result.metrics["long_max_abs_err"] < 1e-4 and result.metrics["long_rel_err"] < 1e-4
     assert result.metrics["mapped_params"] > 10
     # Qwen3.5 replicas declare one MTP layer (text_config.mtp_num_hidden_layers); training builds none.
     assert result.metrics["config_mtp_layers"] == (1 if handler.startswith("qwen3.5") else 0)
@@ -37,6 +40,8 @@ def test_lora_coverage(megatron_report, handler: str) -> None:
     assert m["lora_params"] == 2 * m["lora_modules"]
     # The adapter changes the output by far more than the tolerance it is matched within.
     assert m["adapter_effect_rel_l2"] > 0.5 and m["adapter_logits_max_abs_err"] < 1e-4
+    # apply_lora's fresh adapter changes nothing (fp32: bit for bit); train mode computes what eval mode does.
+    assert m["fresh_lora_logits_max_abs_err"] == 0.0 and m["train_mode_logits_max_abs_err"] <= 1e-6
 
 
 def test_lora_module_counts(megatron_report) -> None:
@@ -52,6 +57,7 @@ def test_packed_position_ids(megatron_report, handler: str) -> None:
     m = result.metrics
     assert m["logits_max_abs_err"] < 1e-4 and m["grad_max_rel_err"] < 1e-4
     assert m["leak_control_rel_l2"] > 1e-3
+    assert m["lengths"] == ("7+193+12+5" if handler.startswith("qwen3.5") else "7+65+12+5")
     if handler.startswith("qwen3.5"):
         assert m["gdn_layers"] == 3 and m["attention_layers"] == 1
 
@@ -62,9 +68,14 @@ def test_shared_prefix(megatron_report, handler: str) -> None:
     result = _result(megatron_report(handler), "shared_prefix")
     assert result.status is Status.PASS, result.summary
     m = result.metrics
-    assert (m["tokens"], m["unshared_tokens"]) == (9 + 6 + 4 + 7, 3 * 9 + 6 + 4 + 7)
+    # The prompt is a long row: three GDN chunks and a token on a GDN model, one chunk and a token otherwise.
+    prompt = 193 if handler.startswith("qwen3.5") else 65
+    assert m["prompt_tokens"] == prompt
+    assert (m["tokens"], m["unshared_tokens"]) == (prompt + 6 + 70 + 7, 3 * prompt + 6 + 70 + 7)
     assert m["logits_max_abs_err"] < 1e-4 and m["grad_max_rel_err"] < 1e-4 and m["loss_rel_err"] < 1e-4
     assert m["control_rel_l2"] > 1e-3
+    # The trainer's GRPO scoring call equals its per-sequence one.
+    assert m["api_group_logprobs_max_abs_err"] < 1e-4
 
 
 @pytest.mark.parametrize("handler", HANDLER_NAMES)
@@ -75,3 +86,36 @@ def test_trainability(megatron_report, handler: str) -> None:
     assert m["loss_ratio"] <= 0.5
     assert m["base_params_changed"] == 0
     assert m["final_accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_lora_gradients(megatron_report, handler: str) -> None:
+    """The loss and every LoRA factor's gradient against the fp32 transformers model with the same adapter."""
+    report = megatron_report(handler)
+    result = _result(report, "lora_gradients")
+    assert result.status is Status.PASS, result.summary
+    m = result.metrics
+    length = 193 if handler.startswith("qwen3.5") else 65
+    assert m["long_tokens"] == m["packed_tokens"] == length and m["packed_sequences"] == 3
+    # Every factor, A and B, of every LoRA module, in both cases.
+    modules = _result(report, "lora_coverage").metrics["lora_modules"]
+    assert m["long_factors"] == m["packed_factors"] == 2 * modules
+    for case in ("long", "packed"):
+        assert m[f"{case}_loss_rel_err"] < 1e-4 and m[f"{case}_grad_worst_factor_rel_err"] < 1e-4
+    assert m["adapter_effect_loss_rel_l2"] > 1e-2
+
+
+def test_lora_gradients_catches_a_detached_lora_input(tmp_path) -> None:
+    """A LoRA branch fed x.detach() computes the same loss; only the gradient comparison sees it."""
+    from model_support.plugins.pytest_plugin import CheckRequest, run_check
+    from model_support.validation.selftest import injected
+
+    with injected("lora-input-detached"):
+        report = run_check(CheckRequest(target="qwen3", tiny=True, stages=("lora_gradients",)), tmp_path)
+    result = _result(report, "lora_gradients")
+    assert _result(report, "lora_coverage").status is Status.PASS
+    assert result.status is Status.FAIL
+    m = result.metrics
+    assert m["long_loss_rel_err"] < 1e-4  # the forward is unchanged
+    assert m["long_grad_worst_factor_rel_err"] > 0.1 and m["packed_grad_worst_factor_rel_err"] > 0.1
+    assert "long_grad_worst_factor_rel_err=" in result.summary

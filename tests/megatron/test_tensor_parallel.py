@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.megatron.conftest import require_megatron
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
+FILES = ("logits", "fresh", "before", "after", "hf")  # what tp_worker writes per handler
 HANDLERS = ("qwen3", "qwen3.5")  # GQA split by query group; GDN in_proj sections, gated attention, gate/up
 
 
@@ -29,10 +31,7 @@ def _run(model_dirs: dict[str, Path], out: Path, tp: int) -> dict[str, dict[str,
     cmd += [str(WORKER), str(out), *(f"{h}={d}" for h, d in model_dirs.items())]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {
-        h: {name: load_file(str(out / h / f"{name}.safetensors")) for name in ("logits", "before", "after", "hf")}
-        for h in model_dirs
-    }
+    return {h: {name: load_file(str(out / h / f"{name}.safetensors")) for name in FILES} for h in model_dirs}
 
 
 def test_tp2_exports_the_tp1_adapter(tiny_model_dir, tmp_path) -> None:
@@ -41,6 +40,10 @@ def test_tp2_exports_the_tp1_adapter(tiny_model_dir, tmp_path) -> None:
     runs = {tp: _run(model_dirs, tmp_path / f"tp{tp}", tp) for tp in (1, 2)}
     for handler in HANDLERS:
         tp1, tp2 = runs[1][handler], runs[2][handler]
+        # apply_lora's fresh adapter is drawn over the canonical shapes: the same A in both layouts, B = 0.
+        assert set(tp1["fresh"]) == set(tp2["fresh"]) == set(tp1["before"]), handler
+        assert all(torch.equal(tp1["fresh"][k], tp2["fresh"][k]) for k in tp1["fresh"]), handler
+        assert all((v == 0).all() == k.endswith("lora_B.weight") for k, v in tp1["fresh"].items()), handler
         # Same canonical LoRA scattered to two ranks and gathered back through the codec: bit-identical adapter.
         assert set(tp1["before"]) == set(tp2["before"]) and len(tp1["before"]) > 20, handler
         assert all((tp1["before"][k] == tp2["before"][k]).all() for k in tp1["before"]), handler

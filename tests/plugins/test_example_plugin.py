@@ -33,7 +33,14 @@ def test_llama_is_listed_from_its_own_distribution(site: Path):
     assert Path(data["reference_config"]).is_relative_to(site)
 
 
-MEGATRON_STAGES = ("hf_parity", "lora_coverage", "packed_position_ids", "shared_prefix", "trainability")
+MEGATRON_STAGES = (
+    "hf_parity",
+    "lora_coverage",
+    "lora_gradients",
+    "packed_position_ids",
+    "shared_prefix",
+    "trainability",
+)
 
 
 def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Path):
@@ -69,4 +76,4 @@ def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Pa
 def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
     result = run_plugin_tests(*installed)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 passed" in result.stdout
+    assert "5 passed" in result.stdout

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 GEMMA3_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-gemma3"
 STAGES = (
-    "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "packed_position_ids", "shared_prefix",
-    "trainability",
+    "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "lora_gradients", "packed_position_ids",
+    "shared_prefix", "trainability",
     "parallel_parity", "native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch",
     "rl_trainability",
 )  # fmt: skip

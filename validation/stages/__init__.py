@@ -5,6 +5,7 @@ from model_support.validation.stages.chat_template_rollout import ChatTemplateRo
 from model_support.validation.stages.dependencies import DependenciesStage
 from model_support.validation.stages.hf_parity import HfParityStage
 from model_support.validation.stages.lora_coverage import LoraCoverageStage
+from model_support.validation.stages.lora_gradients import LoraGradientsStage
 from model_support.validation.stages.merged_serving import MergedServingStage
 from model_support.validation.stages.native_vllm_lora import NativeVllmLoraStage
 from model_support.validation.stages.packed_position_ids import PackedPositionIdsStage
@@ -21,6 +22,7 @@ BUILTIN_STAGES = (
     WeightsStage,
     HfParityStage,
     LoraCoverageStage,
+    LoraGradientsStage,
     PackedPositionIdsStage,
     SharedPrefixStage,
     TrainabilityStage,
@@ -39,6 +41,7 @@ __all__ = [
     "DependenciesStage",
     "HfParityStage",
     "LoraCoverageStage",
+    "LoraGradientsStage",
     "MergedServingStage",
     "NativeVllmLoraStage",
     "PackedPositionIdsStage",

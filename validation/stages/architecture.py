@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from model_support.core.megatron.imports import MegatronUnavailableError
 from model_support.core.spec import TargetScope
 from model_support.core.validate import (
     build_meta_model,
     checkpoint_modules,
+    checkpoint_size_problems,
+    coverage_problems,
     layout_problems,
     missing_targets,
+    model_linears,
     modules_under,
+    target_name_problems,
     uncovered_targets,
 )
 from model_support.validation.context import CheckContext
@@ -20,7 +27,11 @@ class ArchitectureStage(Stage):
     MoE, shared expert, GDN layers) is what the handler declares; the config asks for nothing the handler's
     ``config_requirements`` refuse (a value the bridge would ignore); every declared LoRA target exists in the
     transformers model *and* is named by the checkpoint's tensors (what PEFT, vLLM and the exporter address):
-    a target the checkpoint names otherwise fails with the names expected and the names found."""
+    a target the checkpoint names otherwise fails with the names expected and the names found. Against the family's
+    megatron-bridge mappings: each target's HF modules are those the mapping of its Megatron linear reads (what the
+    codec writes); every LoRA linear the bridge maps in this model (attention, GDN, dense MLP, shared and routed
+    experts) is a target or a ``lora_exclusions`` entry with its reason; the MoE sizes derived from the config
+    (expert count and width, shared-expert width, dense layers) match the checkpoint's tensor shapes."""
 
     name = "architecture"
     title = "The config's architecture, layer layout and LoRA target modules match the handler declaration."
@@ -48,6 +59,10 @@ class ArchitectureStage(Stage):
         checked, problem = self._checkpoint_names(ctx)
         if problem:
             problems.append(problem)
+        bridge_problems, bridge_details = self._bridge_checks(ctx, model)
+        problems += bridge_problems
+        ignored, features_checked = self._built_features(ctx)
+        problems += ignored
         metrics = {
             "layers": layout.num_layers,
             "gdn_layers": len(layout.gdn_layers),
@@ -55,12 +70,68 @@ class ArchitectureStage(Stage):
             "experts": layout.moe.num_experts if layout.moe else 0,
             "lora_targets": len(ctx.spec.hf_target_modules),
         }
-        details = [f"model class {type(model).__name__}: {layout.describe()}", checked]
+        details = [f"model class {type(model).__name__}: {layout.describe()}", checked, *bridge_details]
+        details.append(features_checked)
         if layout.mtp_layers and ctx.spec.runtime.disable_mtp_for_training:
             details.append(f"{layout.mtp_layers} MTP layer(s) in the config: disabled for training by policy")
         if problems:
             return self.failed("; ".join(problems), metrics=metrics, details=details)
         return self.passed(layout.describe(), metrics=metrics, details=details)
+
+    @staticmethod
+    def _bridge_checks(ctx: CheckContext, model: Any) -> tuple[list[str], list[str]]:
+        """(problems, detail lines) of the declaration against megatron-bridge's mappings of the family: each target's
+        HF modules are those the mapping of its Megatron linear reads; every LoRA linear the bridge maps in this model
+        is targeted or excluded with a reason; the MoE sizes derived from the config match the checkpoint's shapes."""
+        from model_support.core.bridge_linears import bridge_linears
+        from model_support.core.checkpoint import CheckpointError, TextCheckpoint
+        from model_support.core.megatron.builder import MegatronBuildError
+
+        try:
+            bridge, linears = bridge_linears(ctx.config, ctx.layout)
+        except (ImportError, MegatronUnavailableError, MegatronBuildError) as exc:
+            return [], [f"LoRA targets not checked against megatron-bridge's mappings: {exc}"]
+        present = model_linears(linears, model)
+        problems = target_name_problems(ctx.spec, bridge, linears)
+        covered, details = coverage_problems(ctx.spec, bridge, linears, present)
+        problems += covered
+        if not covered:
+            details.insert(0, f"every LoRA linear {bridge} maps in this model is targeted or excluded ({len(present)})")
+        try:
+            checkpoint = TextCheckpoint(ctx.model_dir)
+        except CheckpointError:
+            return problems, [*details, "no weights next to the config: MoE sizes not checked against tensor shapes"]
+        # The mappings the builder loads this checkpoint with (per-expert or stacked expert tensors).
+        _, loaded = bridge_linears(ctx.config, ctx.layout, checkpoint)
+        sizes, size_details = checkpoint_size_problems(ctx.spec, ctx.config, ctx.layout, loaded, checkpoint)
+        return problems + sizes, details + size_details
+
+    @staticmethod
+    def _built_features(ctx: CheckContext) -> tuple[list[str], str]:
+        """(problems, detail line): the length-dependent features the config asks for (a sliding window, rope
+        scaling) that the Megatron model built for training ignores; the build refuses such a model
+        (``core/megatron/features.py``), and a model built here is the one the later stages use."""
+        from model_support.core.layout import rope_scaling, sliding_window
+
+        features = {"sliding window": sliding_window(ctx.config), "rope scaling": rope_scaling(ctx.config)}
+        asked = [feature for feature, value in features.items() if value]
+        if not asked:
+            return [], "the config asks for no sliding window or rope scaling"
+        from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+
+        unavailable = next((why for r in MEGATRON_PACKAGES if (why := r.missing_reason())), None)
+        if unavailable:
+            return [], f"{' and '.join(asked)} not checked against the built model: {unavailable}"
+        from model_support.core.megatron.builder import UnimplementedFeatureError
+        from model_support.core.megatron.session import megatron_model
+
+        try:
+            megatron_model(ctx)
+        except UnimplementedFeatureError as exc:
+            return [str(exc)], f"the built Megatron model ignores the config's {' and '.join(asked)}"
+        except Exception as exc:  # any other build failure is hf_parity's to report, with its own handling
+            return [], f"{' and '.join(asked)} not checked: the Megatron model does not build ({exc})"
+        return [], f"the built Megatron model implements the config's {' and '.join(asked)}"
 
     @staticmethod
     def _checkpoint_names(ctx: CheckContext) -> tuple[str, str | None]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 # Re-exported so the stage reference (docs/stages.md) lists the tolerances this stage applies.
 from model_support.core.megatron.compare import LOGIT_TOLERANCES, LOWP_TOLERANCE_FACTOR
 from model_support.validation.context import CheckContext
@@ -20,7 +18,9 @@ MEGATRON_PACKAGES = (
 class HfParityStage(Stage):
     """The Megatron model as a trainer runs it (bf16, megatron-core's modules and the policy's GDN kernel on
     a GPU; fp32 and the local GDN layer on a CPU) and the fp32 transformers reference, streamed one layer
-    at a time on the same device, run the same weights on the same random tokens. The logits must agree
+    at a time on the same device, run the same weights on the same random tokens: a batch of short rows and one long
+    row across every length-dependent structure of the model (``core.layout.length_structures``: three GDN chunk
+    boundaries, a sliding window, where rope scaling starts; at least 4096 tokens on a GPU). The logits must agree
     within the tolerances of the model's dtype (``core/megatron/compare.py``). MoE routers are compared on
     the reference's router inputs (no top-k flip beyond rounding), and the logits under replay of the
     reference's routing."""
@@ -33,60 +33,60 @@ class HfParityStage(Stage):
     batch, seq_len = 2, 32
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core.megatron.compare import (
-            closeness,
-            replayed_routing,
-            routing_agreement,
-            tolerance_note,
-            tolerances,
-        )
-        from model_support.core.megatron.forward import logits
-        from model_support.core.megatron.session import (
-            LOWP_KEY,
-            hf_reference,
-            megatron_model,
-            random_tokens,
-            reference_lowp,
-        )
+        from model_support.core.megatron.compare import tolerance_note
+        from model_support.core.megatron.session import LOWP_KEY, long_row, megatron_model, random_tokens
+        from model_support.validation.reference_rows import compare_with_reference
 
         built = megatron_model(ctx)
-        reference = hf_reference(ctx)
-        tokens = random_tokens(ctx, (self.batch, self.seq_len))
-        moe = ctx.layout.moe is not None
-        ref = reference.forward(tokens, routers=moe)
-        routing = [r.indices for r in ref.routers]
         dtype = built.numerics.dtype
-        metrics: dict[str, object] = {"dtype": built.numerics.dtype_name, "tokens": tokens.numel()}
-        lowp = reference_lowp(ctx, dtype, tokens, ref.logits, routing=routing)
-        ctx.artifacts[LOWP_KEY] = lowp
-        metrics |= {f"reference_{built.numerics.dtype_name}_{k}": v for k, v in (lowp or {}).items()}
-        thresholds = tolerances(dtype, reference_lowp=lowp)
-        if moe:
-            metrics |= routing_agreement(built.model, ref.routers, self.batch)
-            thresholds["router_flips"] = 0
-        with torch.no_grad(), replayed_routing(built.model, routing, self.batch):
-            ours = logits(built.model, tokens)
-        metrics |= closeness(ours, ref.logits)
+        moe = ctx.layout.moe is not None
+        # A batch of short rows, and one row across every length-dependent structure of the model (GDN chunks, a
+        # sliding window, where rope scaling starts): a bug that only shows past one of them shows there.
+        length = long_row(ctx)
+        metrics: dict[str, object] = {"dtype": built.numerics.dtype_name, "long_row_tokens": length}
+        thresholds: dict[str, float] = {}
+        lowps = []
+        for prefix, shape, offset in (("", (self.batch, self.seq_len), 0), ("long_", (1, length), 1)):
+            tokens = random_tokens(ctx, shape, offset=offset)
+            found, limits, lowp = compare_with_reference(ctx, built, tokens, prefix, routers=True)
+            metrics |= found
+            thresholds |= limits
+            lowps.append(lowp)
+        # Later stages hold same-model comparisons of short and long rows to transformers' own rounding distance.
+        ctx.artifacts[LOWP_KEY] = None if lowps[0] is None else {k: max(lp[k] for lp in lowps) for k in lowps[0]}
+        mtp_built = sum(1 for n, _ in built.model.named_modules() if n.startswith("mtp.layers.") and n.count(".") == 2)
         metrics |= {
             "mapped_params": len(built.mapped),
             "config_mtp_layers": ctx.layout.mtp_layers,
-            "mtp_layers_built": sum(
-                1 for n, _ in built.model.named_modules() if n.startswith("mtp.layers.") and n.count(".") == 2
-            ),
+            "mtp_layers_built": mtp_built,
             "build_s": round(ctx.artifacts.get("megatron_build_s", 0.0), 3),
         }
+        if ctx.spec.runtime.disable_mtp_for_training:  # the policy keeps MTP out of training: none may be built
+            thresholds["mtp_layers_built"] = 0
         details = [
             f"model under test: {built.numerics.describe(bool(ctx.layout.gdn_layers))}",
             "reference: transformers, float32, streamed one decoder layer at a time on the same device",
+            f"rows: {self.batch} x {self.seq_len} tokens, and 1 x {length} ({self._structures(ctx)})",
             tolerance_note(dtype),
             f"bridge {type(built.bridge).__name__}, {len(built.mapped)} Megatron parameters filled by its mappings",
-            f"MTP: {ctx.layout.mtp_layers} layer(s) in the config, {metrics['mtp_layers_built']} built "
+            f"MTP: {ctx.layout.mtp_layers} layer(s) in the config, {mtp_built} built "
             f"(runtime policy disable_mtp_for_training={ctx.spec.runtime.disable_mtp_for_training})",
         ]
         if moe:
             details.append(
                 f"routing: {metrics['router_flips']} top-k flips and {metrics['router_near_ties']} near ties in "
-                f"{metrics['router_tokens']} token-layers; logits compared under replay of the reference's routing"
+                f"{metrics['router_tokens']} token-layers (long row: {metrics['long_router_flips']} flips); logits "
+                "compared under replay of the reference's routing"
             )
-        summary = f"rel L2 {metrics['rel_l2']:.2e}, max |Δlogit| {metrics['max_abs_err']:.2e} ({metrics['dtype']})"
+        summary = (
+            f"rel L2 {metrics['rel_l2']:.2e}, long row ({length} tokens) {metrics['long_rel_l2']:.2e}, "
+            f"max |Δlogit| {max(metrics['max_abs_err'], metrics['long_max_abs_err']):.2e} ({metrics['dtype']})"
+        )
         return self.judge(metrics, thresholds, summary, details, ctx=ctx)
+
+    @staticmethod
+    def _structures(ctx: CheckContext) -> str:
+        from model_support.core.layout import length_structures
+
+        crossed = length_structures(ctx.config, ctx.layout)
+        return ", ".join(f"{name} from {n} tokens" for name, n in crossed.items()) or "no length-dependent structure"

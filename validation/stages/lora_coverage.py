@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -16,6 +16,9 @@ from model_support.core.validate import checkpoint_modules, uncovered_targets
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+
+if TYPE_CHECKING:
+    from model_support.core.megatron.lora import LoraReport
 
 __all__ = ["LOGIT_TOLERANCES", "LOWP_TOLERANCE_FACTOR", "LoraCoverageStage", "expected_modules"]
 
@@ -47,8 +50,12 @@ class LoraCoverageStage(Stage):
     codec splits the fused Megatron base weights into exactly the checkpoint's HF tensors (so it mirrors
     the bridge's layouts); the PEFT adapter written from Megatron loads back bit for bit; and that adapter,
     merged into the fp32 transformers reference, gives the Megatron+LoRA logits within the tolerances of
-    the model's dtype (MoE routing replayed from the reference). The random adapter must change the logits
-    by at least the dtype's effect floor, so the comparison can see a wrong split."""
+    the model's dtype (MoE routing replayed from the reference), on a short batch and on a long row across every
+    length-dependent structure of the model (as in ``hf_parity``). The random adapter must change the logits
+    by at least the dtype's effect floor, so the comparison can see a wrong split. On a row across the model's
+    length structures: ``api.apply_lora``'s fresh adapter leaves the logits unchanged (bit for bit in fp32), and
+    with the random adapter train mode computes what eval mode does (no stochastic layer; the modules that differ
+    are named)."""
 
     name = "lora_coverage"
     title = "Every declared target gets a trainable LoRA; the codec round trip is exact; adapter logits match."
@@ -74,25 +81,26 @@ class LoraCoverageStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core import api
         from model_support.core.codecs import load_peft_adapter
-        from model_support.core.megatron.compare import closeness, replayed_routing, tolerance_note, tolerances
+        from model_support.core.megatron.compare import closeness, tolerance_note
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
         from model_support.core.megatron.session import (
             ADAPTER_KEY,
-            hf_reference,
-            megatron_lora,
+            long_row,
             megatron_model,
             random_tokens,
-            reference_lowp,
             training_model,
         )
+        from model_support.validation.reference_rows import compare_with_reference
 
         spec, layout = ctx.spec, ctx.layout
         built = megatron_model(ctx)
         model = built.model
         layout_err = self._codec_layout_err(ctx, built)
-        report = megatron_lora(ctx)
+        # A row across every length-dependent structure, for what apply_lora and train mode may change.
+        long_tokens = random_tokens(ctx, (1, long_row(ctx)), offset=5)
+        report, identity, identity_limits, identity_details = self._apply_lora_checked(ctx, long_tokens)
         expected = expected_modules(spec, layout)
         got = {key: len(names) for key, names in report.per_target.items()}
         missing = sum(max(expected[k] - got.get(k, 0), 0) for k in expected)
@@ -100,6 +108,7 @@ class LoraCoverageStage(Stage):
 
         state = random_lora_state(model, seed=ctx.seed + 1, b_std=0.05)
         load_lora_state(model, state)
+        train_mode, train_limits, train_details = self._train_mode_check(ctx, model, long_tokens)
         tokens = random_tokens(ctx, (self.batch, self.seq_len), offset=1)
         model.zero_grad(set_to_none=True)
         out = logits(model, tokens)
@@ -133,15 +142,17 @@ class LoraCoverageStage(Stage):
         )
 
         deltas = adapter_deltas(adapter_dir)
-        ref = hf_reference(ctx).forward(tokens, adapter=deltas, routers=layout.moe is not None)
-        routing = [r.indices for r in ref.routers]
         dtype = built.numerics.dtype
-        lowp = reference_lowp(ctx, dtype, tokens, ref.logits, adapter=deltas, routing=routing)
-        with torch.no_grad(), replayed_routing(model, routing, self.batch):
-            ours = logits(model, tokens)
-            base = logits_without_lora(model, tokens)
-        effect = closeness(ours, base)["rel_l2"]
-        thresholds = dict(self.thresholds) | tolerances(dtype, prefix="adapter_logits_", reference_lowp=lowp)
+        thresholds = dict(self.thresholds)
+        compared: dict[str, object] = {}
+        # The short batch, and a row across every length-dependent structure of the model (GDN chunks, windows).
+        length = long_row(ctx)
+        for prefix, rows in (("adapter_logits_", tokens), ("long_adapter_logits_", random_tokens(ctx, (1, length), 4))):
+            found, limits, _ = compare_with_reference(ctx, built, rows, prefix, adapter=deltas)
+            compared |= found
+            thresholds |= limits
+        with torch.no_grad():
+            effect = closeness(logits(model, tokens), logits_without_lora(model, tokens))["rel_l2"]
         metrics = {
             "lora_modules": len(lora_modules(model)),
             "missing_lora_modules": missing,
@@ -154,10 +165,14 @@ class LoraCoverageStage(Stage):
             "adapter_uncovered_targets": len(uncovered),
             "unrouted_experts_run_directly": unrouted,
             "dtype": built.numerics.dtype_name,
-            **closeness(ours, ref.logits, prefix="adapter_logits_"),
+            "long_row_tokens": length,
+            **compared,
             "adapter_effect_rel_l2": effect,
-            **{f"reference_{built.numerics.dtype_name}_{k}": v for k, v in (lowp or {}).items()},
+            **identity,
+            **train_mode,
         }
+        thresholds |= identity_limits | train_limits
+        details += identity_details + train_details
         details.append(
             f"adapter written to {adapter_dir} ({len(on_disk)} tensors), merged into the fp32 transformers reference"
         )
@@ -178,6 +193,67 @@ class LoraCoverageStage(Stage):
             details,
             ctx=ctx,
         )
+
+    @staticmethod
+    def _apply_lora_checked(
+        ctx: CheckContext, tokens: torch.Tensor
+    ) -> tuple[LoraReport, dict[str, float], dict[str, float], list[str]]:
+        """LoRA applied through the run's session (``api.apply_lora``), with the logits of ``tokens`` just before and
+        just after: the fresh adapter (B = 0) must leave them unchanged (``fresh_lora_logits_max_abs_err``), bit for
+        bit in fp32, below fp32 within the distance of two runs of the base model."""
+        from model_support.core.megatron.forward import logits
+        from model_support.core.megatron.session import megatron_lora, training_model
+
+        model = training_model(ctx)
+        if model.lora is not None:  # another stage of the run applied it first
+            return megatron_lora(ctx), {}, {}, ["apply_lora's identity not measured: LoRA was on before this stage"]
+        exact = model.built.numerics.dtype == torch.float32
+        with torch.no_grad():
+            base = logits(model.module, tokens)
+            rerun = base if exact else logits(model.module, tokens)
+        report = megatron_lora(ctx)
+        with torch.no_grad():
+            fresh = logits(model.module, tokens)
+        err, limit = (fresh - base).abs().max().item(), (rerun - base).abs().max().item()
+        note = "bit for bit" if exact else f"within two base runs' distance {limit:.3g}"
+        details = [f"apply_lora's fresh adapter (B = 0) on {tokens.shape[1]} tokens: logits unchanged {note}"]
+        key = "fresh_lora_logits_max_abs_err"
+        return report, {key: err}, {key: limit}, details
+
+    @staticmethod
+    def _train_mode_check(
+        ctx: CheckContext, model: torch.nn.Module, tokens: torch.Tensor
+    ) -> tuple[dict[str, float], dict[str, float], list[str]]:
+        """The model with its random adapter computes in train mode what it does in eval mode (no stochastic layer:
+        a trainer's forward in train mode must score what eval measured): ``train_mode_logits_`` closeness, fp32
+        within 1e-6, below fp32 within the stage's same-model tolerances. Failing, the modules whose output differs
+        from the same input (the innermost) are named."""
+        from model_support.core.megatron.compare import closeness, same_model_tolerances
+        from model_support.core.megatron.forward import logits
+        from model_support.core.megatron.session import LOWP_KEY
+
+        dtype = next(model.parameters()).dtype
+        was = model.training
+        try:
+            with torch.no_grad():
+                model.eval()
+                evaluated = logits(model, tokens)
+                model.train()
+                trained = logits(model, tokens)
+        finally:
+            model.train(was)
+        metrics = closeness(trained, evaluated, prefix="train_mode_logits_")
+        if dtype == torch.float32:
+            limits = {"train_mode_logits_max_abs_err": 1e-6}
+        else:
+            same = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
+            limits = {f"train_mode_{k}": v for k, v in same.items() if k.startswith("logits_")}
+        dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        details = [f"Dropout modules with p > 0: {', '.join(dropouts[:4]) or 'none'}"]
+        if any(not metrics[k] <= v for k, v in limits.items()):
+            differ = _differing_in_train_mode(model, tokens)
+            details.append(f"train mode changes the output of {', '.join(differ[:4]) or 'no single module'}")
+        return metrics, limits, details
 
     def _exercise_unrouted_experts(
         self, model: torch.nn.Module, lora_params: dict[str, torch.nn.Parameter], seed: int
@@ -227,6 +303,55 @@ class LoraCoverageStage(Stage):
                     expected = built.checkpoint[hf_name].to(value.device, value.dtype)
                     worst = max(worst, (expected.float() - value.float()).abs().max().item())
         return worst
+
+
+def _differing_in_train_mode(model: torch.nn.Module, tokens: torch.Tensor) -> list[str]:
+    """The innermost modules that, given the same input in train and eval mode, return different outputs (compared
+    by fingerprints of every call's floating-point inputs and outputs)."""
+    from model_support.core.megatron.forward import logits
+    from model_support.validation.stages.trainability import fingerprint
+
+    def digest(value: object) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return fingerprint(value).cpu() if value.is_floating_point() else torch.zeros(0, dtype=torch.float64)
+        if isinstance(value, tuple | list | dict):
+            parts = [digest(v) for v in (value.values() if isinstance(value, dict) else value)]
+            return torch.cat([torch.zeros(0, dtype=torch.float64), *parts])
+        return torch.zeros(0, dtype=torch.float64)
+
+    def record(train: bool) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        handles = [
+            module.register_forward_hook(
+                lambda _m, args, kwargs, out, name=name: calls.setdefault(name, []).append(
+                    (digest((args, kwargs)), digest(out))
+                ),
+                with_kwargs=True,
+            )
+            for name, module in model.named_modules()
+            if name
+        ]
+        was = model.training
+        try:
+            model.train(train)
+            with torch.no_grad():
+                logits(model, tokens)
+        finally:
+            model.train(was)
+            for handle in handles:
+                handle.remove()
+        return calls
+
+    evaluated, trained = record(False), record(True)
+    sources = [
+        name
+        for name, calls in evaluated.items()
+        if any(
+            torch.equal(e_in, t_in) and not torch.equal(e_out, t_out)
+            for (e_in, e_out), (t_in, t_out) in zip(calls, trained.get(name, []), strict=False)
+        )
+    ]
+    return [name for name in sources if not any(other.startswith(f"{name}.") for other in sources)]
 
 
 def logits_without_lora(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The policy adapter (Megatron's from ``lora_coverage`` when that ran, else a seeded random Megatron LoRA) is
 loaded into the Megatron model, whose merged weights (base + LoRA, HF names) are streamed into the run's server
 in place through the training-time API (``api.merged_weights`` -> ``Server.update_weights``: ``<handler>@0`` ->
-``@1``), as a trainer pushes them. The prompt log-probabilities of a few random prompts, plus the greedy next
-token, are compared with transformers carrying the same adapter. Tolerances: fp32 serving must agree to
+``@1``), as a trainer pushes them. The prompt log-probabilities of a few random prompts (one across every
+length-dependent structure of the model, ``session.random_prompts``), plus the greedy next token, are compared with
+transformers carrying the same adapter. Tolerances: fp32 serving must agree to
 float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the tolerance is bf16's. The handler's
 ``vllm`` floors (``DependencyFloor(..., extra="serve")``) are held against the runtime's vLLM version.
 """
@@ -67,7 +68,7 @@ class MergedServingStage(Stage):
     title = "vLLM serving the merged LoRA export matches transformers + the adapter (prompt and next-token logprobs)."
     order = 70
     packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
-    prompts, prompt_len = 3, 24
+    prompts, prompt_len = 2, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         from model_support.core.serving.session import backend
@@ -111,6 +112,7 @@ class MergedServingStage(Stage):
             "prompt_logprob_mean_abs_err": delta.mean().item(),
             "greedy_regret_max": max(regrets),
             "tokens_compared": delta.numel(),
+            "prompt_lengths": "+".join(str(len(p)) for p in prompts),
             "serving_dtype": dtype,
             "served_model": server.served_name,
         }

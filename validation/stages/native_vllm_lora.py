@@ -2,9 +2,10 @@
 
 For a handler that declares native LoRA, the policy adapter is loaded through ``/v1/load_lora_adapter`` into the
 run's one server while it holds the base weights (it runs before ``merged_serving`` pushes the policy in place),
-and its prompt log-probabilities are compared with transformers + adapter. Where the build cannot run the
-adapter on the shared server (``session.lora_gap``: routed experts on the CPU build) a server of its own is
-started with LoRA, so a build that has since gained the feature is noticed.
+and its prompt log-probabilities (one prompt across every length-dependent structure of the model) are compared with
+transformers + adapter. Where the build cannot run the adapter on the shared server (``session.lora_gap``: routed
+experts on the CPU build) a server of its own is started with LoRA, so a build that has since gained the feature is
+noticed.
 
 For a merged-only handler the stage skips with the handler's reason, after checking that the reason still
 holds: it asks the installed vLLM whether the architecture's class implements ``SupportsLoRA`` and, if it
@@ -57,7 +58,7 @@ class NativeVllmLoraStage(Stage):
     )
     order = 65
     packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
-    prompts, prompt_len = 2, 24
+    prompts, prompt_len = 1, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         from model_support.core.serving.session import backend
@@ -131,6 +132,7 @@ class NativeVllmLoraStage(Stage):
             "lora_logprob_max_abs_err": delta.max().item(),
             "lora_logprob_mean_abs_err": delta.mean().item(),
             "tokens_compared": delta.numel(),
+            "prompt_lengths": "+".join(str(len(p)) for p in prompts),
             "serving_dtype": options.dtype,
         }
         return self.judge(

@@ -16,7 +16,8 @@ __all__ = ["LOWP_TOLERANCE_FACTOR", "SAME_MODEL_FP32_TOLERANCES", "PackedPositio
 
 
 class PackedPositionIdsStage(Stage):
-    """Several sequences packed in one row, position ids restarting at 0, run through the Megatron model
+    """Several sequences packed in one row (one of them a long row across every length-dependent structure of
+    the model, as in ``hf_parity``), position ids restarting at 0, run through the Megatron model
     (with LoRA, so gradients flow): per-token logits must equal those of each sequence run alone, and the
     LoRA gradients of the packed loss must equal the sum of the per-sequence gradients. Both full attention
     (block-diagonal mask) and Gated DeltaNet layers (``cu_seqlens``: recurrent state and convolution restart
@@ -32,6 +33,8 @@ class PackedPositionIdsStage(Stage):
     order = 50
     requires = ("hf_parity",)
     packages = MEGATRON_PACKAGES
+    # Sequences around a long one (``long_row``: across every GDN chunk boundary, window and rope threshold the model
+    # has), so boundaries fall inside GDN chunks and the long sequence's state crosses chunks.
     lengths = (7, 12, 5)
 
     def run(self, ctx: CheckContext) -> StageResult:
@@ -41,15 +44,17 @@ class PackedPositionIdsStage(Stage):
             gradient_closeness,
             same_model_tolerances,
         )
-        from model_support.core.megatron.session import LOWP_KEY, random_tokens, with_random_lora
+        from model_support.core.megatron.session import LOWP_KEY, long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=2)
         model, dtype = built.model, built.numerics.dtype
-        seqs = [random_tokens(ctx, (1, n), offset=10 + i) for i, n in enumerate(self.lengths)]
+        short, *rest = self.lengths
+        lengths = (short, long_row(ctx), *rest)
+        seqs = [random_tokens(ctx, (1, n), offset=10 + i) for i, n in enumerate(lengths)]
         row = torch.cat(seqs, dim=1)
-        positions = torch.cat([torch.arange(n) for n in self.lengths])[None]
-        bounds = list(itertools.pairwise(torch.cumsum(torch.tensor((0, *self.lengths)), 0).tolist()))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        bounds = list(itertools.pairwise(torch.cumsum(torch.tensor((0, *lengths)), 0).tolist()))
 
         def loss_of(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(out[:-1], tokens[0, 1:].to(out.device), reduction="sum")
@@ -66,7 +71,8 @@ class PackedPositionIdsStage(Stage):
         separate = torch.cat(alone.logits)
         metrics = {
             "dtype": built.numerics.dtype_name,
-            "sequences": len(self.lengths),
+            "sequences": len(lengths),
+            "lengths": "+".join(map(str, lengths)),
             "tokens": row.shape[1],
             "gdn_layers": len(ctx.layout.gdn_layers),
             "attention_layers": len(ctx.layout.attention_layers),
@@ -82,6 +88,7 @@ class PackedPositionIdsStage(Stage):
         ) or self.judge(
             metrics,
             thresholds,
-            f"{len(self.lengths)} packed sequences: logits rel L2 {metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
+            f"{len(lengths)} packed sequences ({metrics['lengths']} tokens): logits rel L2 "
+            f"{metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
             ctx=ctx,
         )

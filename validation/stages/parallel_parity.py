@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from math import inf
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,16 +45,20 @@ def _error_line(out: Path, layout: str) -> str:
 class ParallelParityStage(Stage):
     """The handler's model in each parallel layout against the same model on one rank (the oracle, fp32), in one
     ``torchrun`` job (:mod:`model_support.validation.parallel_worker`; gloo on the CPU): the same canonical random
-    LoRA, the same tokens. Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the loss, every
-    LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and mean-abs-percent of the
-    oracle's update), each router's top-k expert sets (identical), the PEFT adapter exported before the step (bit for
-    bit), the merged HF weights exported after it (max-abs, every tensor present), and the logits of a shared-prefix
-    row (a prompt and its completions; not under context parallelism). The forward and backward run
+    LoRA, the same tokens (rows across every length-dependent structure of the model, as in ``hf_parity``, rounded
+    up to a multiple of every split). Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the
+    loss, every LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and
+    mean-abs-percent of the oracle's update), each router's top-k expert sets (identical), the PEFT adapter exported
+    before the step (bit for bit), the merged HF weights exported after it (max-abs, every tensor present), the
+    logits of a shared-prefix row (a prompt and its completions; not under context parallelism), the fresh adapter
+    ``api.apply_lora`` draws (bit for bit: its seed makes it canonical), and the trainer's scoring calls
+    ``api.token_logprobs`` (a row across the model's length structures) and ``api.group_logprobs`` (max-abs, and
+    every rank's rows within that of rank 0's, the first pipeline stage included). The forward and backward run
     through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two micro-batches. Layouts come
-    from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, etp2, tp2-sp, pp2, pp2-vp2,
-    cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the model cannot be
-    split into (layers per pipeline chunk) is named with its reason instead. With as many GPUs as the largest layout
-    needs the job runs one process per GPU (NCCL), else on the CPU (gloo)."""
+    from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, etp2, tp2-sp, pp2,
+    pp2-vp2, cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the
+    model cannot be split into (layers per pipeline chunk) is named with its reason instead. With as many GPUs as
+    the largest layout needs the job runs one process per GPU (NCCL), else on the CPU (gloo)."""
 
     name = "parallel_parity"
     title = "Tensor, sequence, pipeline, context and expert parallel layouts train like the single-rank model."
@@ -71,6 +76,8 @@ class ParallelParityStage(Stage):
         "adapter_mismatches": 0,
         "merged_max_abs_err": 1e-5,
         "shared_row_logits_max_abs_err": 1e-4,
+        "logprobs_max_abs_err": 1e-4,
+        "logprobs_rank_spread": 1e-4,
         "merged_mismatches": 0,
         "layouts_failed": 0,
     }
@@ -119,7 +126,14 @@ class ParallelParityStage(Stage):
             0, f"world size {world} on {device}; the ranks not in a layout's model-parallel groups are data parallel"
         )
         worst: dict[str, float] = dict.fromkeys(self.thresholds, 0.0)
-        metrics: dict[str, float | int | str] = {"layouts": len(layouts), "world_size": world}
+        # The step's rows cross every length-dependent structure of the model (parallel_worker._sequence_length).
+        row_shape = tuple(oracle["logits"].shape[:2])
+        metrics: dict[str, float | int | str] = {
+            "layouts": len(layouts),
+            "world_size": world,
+            "row_tokens": row_shape[1],
+        }
+        details.insert(1, f"step rows: {row_shape[0]} x {row_shape[1]} tokens")
         failed = 0
         for name in layouts:
             result = out / f"{name}.safetensors"
@@ -146,10 +160,11 @@ class ParallelParityStage(Stage):
 def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
     """The distances of one layout's results from the single-rank oracle's (see :class:`ParallelParityStage`)."""
     logits_err = (other["logits"] - oracle["logits"]).abs()
-    before = sorted(k for k in oracle if k.startswith("before."))
+    # The adapter exported right after apply_lora (``fresh.``) and with the random LoRA loaded (``before.``).
+    before = sorted(k for k in oracle if k.startswith(("fresh.", "before.")))
     after = sorted(k for k in oracle if k.startswith("after."))
     mismatched = sum(1 for k in before if k not in other or not torch.equal(other[k], oracle[k]))
-    mismatched += sum(1 for k in other if k.startswith("before.") and k not in oracle)
+    mismatched += sum(1 for k in other if k.startswith(("fresh.", "before.")) and k not in oracle)
     # An SGD step moved each LoRA tensor by -lr * grad: the difference of the updates is the gradients' times lr.
     update = torch.cat([(oracle[k] - oracle[k.replace("after.", "before.")]).flatten() for k in after])
     update_err = torch.cat([(other[k] - oracle[k]).flatten() if k in other else oracle[k].flatten() for k in after])
@@ -185,4 +200,15 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         if "shared_logits" in other
         else 0.0,
         "merged_mismatches": merged_mismatches,
+        "logprobs_max_abs_err": _logprobs_err(oracle, other),
+        "logprobs_rank_spread": other["logprobs_rank_spread"].item() if "logprobs_rank_spread" in other else inf,
     }
+
+
+def _logprobs_err(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
+    """Max-abs distance of the layout's ``api.token_logprobs`` / ``api.group_logprobs`` rows from the oracle's
+    (infinite when a row is missing or has another shape)."""
+    keys = [k for k in oracle if k.startswith(("token_logprobs.", "group_logprobs."))]
+    if not keys or any(k not in other or other[k].shape != oracle[k].shape for k in keys):
+        return inf
+    return max((other[k] - oracle[k]).abs().max().item() for k in keys)

@@ -10,25 +10,29 @@ from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
 
 class SharedPrefixStage(Stage):
-    """A GRPO-style row, one prompt and its completions packed as ``[prompt, c1, ..., cG]`` with each completion's
-    position ids continuing the prompt's, through the Megatron model with LoRA: the prompt runs once (attention
-    block by block, Gated DeltaNet layers fanning the prompt's state out to every completion, the convolution
-    seeing the prompt's last tokens). It must compute what each ``[prompt, c_i]`` row computes alone: the prompt's
-    and every completion's logits, the completions' loss (each completion's tokens predicted from the prompt's
-    last position and its own), and every LoRA gradient of that loss. Tolerances as ``packed_position_ids``: fixed
-    in fp32, a multiple of transformers' own rounding distance below it. MoE routers replay, in both runs, the
-    first unshared row's routing of the prompt and each completion's own (``prompt_routing_flips`` counts the
-    prompt tokens whose top-k the other unshared rows had chosen differently on their own). Control: the same
-    tokens with every completion restarting at position 0 (not seeing the prompt) must differ by at least the
-    dtype's effect floor (``control_rel_l2``)."""
+    """A GRPO-style row, one long prompt (across every length-dependent structure of the model, as in ``hf_parity``) and
+    its completions (one crossing a GDN chunk boundary of its own) packed as ``[prompt, c1, ..., cG]`` with each
+    completion's position ids continuing the prompt's, through the Megatron model with LoRA: the prompt runs once
+    (attention block by block, Gated DeltaNet layers fanning the prompt's state out to every completion, the
+    convolution seeing the prompt's last tokens). It must compute what each ``[prompt, c_i]`` row computes alone:
+    the prompt's and every completion's logits, the completions' loss (each completion's tokens predicted from the
+    prompt's last position and its own), and every LoRA gradient of that loss. Tolerances as
+    ``packed_position_ids``: fixed in fp32, a multiple of transformers' own rounding distance below it. MoE routers
+    replay, in both runs, the first unshared row's routing of the prompt and each completion's own
+    (``prompt_routing_flips`` counts the prompt tokens whose top-k the other unshared rows had chosen differently on
+    their own). Control: the same tokens with every completion restarting at position 0 (not seeing the prompt) must
+    differ by at least the dtype's effect floor (``control_rel_l2``). The trainer's GRPO scoring call,
+    ``api.group_logprobs`` of the group, must give ``api.token_logprobs`` of each prompt + completion
+    (``api_group_logprobs_``, the logits' tolerances)."""
 
     name = "shared_prefix"
     title = "A prompt packed once with its completions gives the logits, loss and gradients of the unshared rows."
     order = 52
     requires = ("hf_parity",)
     packages = MEGATRON_PACKAGES
-    prompt = 9
-    completions = (6, 4, 7)
+    # The prompt is a long row (``long_row``: across every GDN chunk boundary, window and rope threshold it has);
+    # one completion spans a GDN chunk boundary of its own.
+    completions = (6, 70, 7)
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.megatron.compare import (
@@ -38,12 +42,12 @@ class SharedPrefixStage(Stage):
             same_model_tolerances,
         )
         from model_support.core.megatron.rows import RowLayout
-        from model_support.core.megatron.session import LOWP_KEY, random_tokens, with_random_lora
+        from model_support.core.megatron.session import LOWP_KEY, long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=3)
         model, dtype = built.model, built.numerics.dtype
-        size = self.prompt
+        size = long_row(ctx)
         prompt = random_tokens(ctx, (1, size), offset=20)
         completions = [random_tokens(ctx, (1, n), offset=21 + i) for i, n in enumerate(self.completions)]
         layout = RowLayout.shared_prefix(size, self.completions)
@@ -93,8 +97,13 @@ class SharedPrefixStage(Stage):
             "loss_rel_err": abs(shared.loss - alone.loss) / abs(alone.loss),
             **gradient_closeness(shared.grads, alone.grads),
             "control_rel_l2": closeness(control[size:], reference[size:])["rel_l2"],
+            **self._through_api(ctx, prompt, completions, routing),
         }
         thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
+        # The trainer's GRPO scoring call against its per-sequence one: held to the logits' limits.
+        thresholds |= {
+            k.replace("logits_", "api_group_logprobs_", 1): v for k, v in thresholds.items() if k.startswith("logits_")
+        }
         # The loss is a sum of per-token functions of the logits: held to the logits' relative limit.
         thresholds["loss_rel_err"] = thresholds.get("logits_rel_l2", thresholds.get("logits_rel_err", 1e-4))
         why = "the comparison cannot tell whether the completions see the prompt"
@@ -108,3 +117,28 @@ class SharedPrefixStage(Stage):
             f"{metrics['unshared_tokens']}): logits rel L2 {metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
             ctx=ctx,
         )
+
+    @staticmethod
+    def _through_api(
+        ctx: CheckContext, prompt: torch.Tensor, completions: list[torch.Tensor], routing: list[list[torch.Tensor]]
+    ) -> dict[str, float]:
+        """The trainer's calls on the same group: ``api.group_logprobs`` (the prompt once) against
+        ``api.token_logprobs`` of each prompt + completion from the prompt's last position on (``api_group_logprobs_``
+        closeness), MoE routers replaying the routing the comparison above replays."""
+        from model_support.core import api
+        from model_support.core.megatron.compare import closeness, replayed_routing
+        from model_support.core.megatron.session import training_model
+
+        model, size = training_model(ctx), prompt.shape[1]
+        tokens, rows = prompt[0].tolist(), [c[0].tolist() for c in completions]
+        unshared = [torch.cat([torch.cat([calls[0][:size], c[size:]]) for c in calls]) for calls in routing]
+        shared = [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing]
+        with torch.no_grad():
+            with replayed_routing(model.module, unshared, batch=1):
+                full = api.token_logprobs(model, [tokens + row for row in rows])
+            with replayed_routing(model.module, shared, batch=1):
+                group = api.group_logprobs(model, tokens, rows)
+        ours, reference = torch.cat(group), torch.cat([f[size - 1 : -1] for f in full])
+        if ours.shape != reference.shape:
+            return dict.fromkeys(closeness(reference, reference, prefix="api_group_logprobs_"), float("inf"))
+        return closeness(ours, reference, prefix="api_group_logprobs_")

@@ -1,0 +1,317 @@
+"""Stage `lora_gradients`: the loss and every LoRA factor's gradient match transformers carrying the same adapter."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+# LOWP_TOLERANCE_FACTOR is re-exported so the stage reference (docs/stages.md) lists it for this stage.
+from model_support.core.megatron.compare import LOWP_FLOOR, LOWP_TOLERANCE_FACTOR
+from model_support.validation.context import CheckContext
+from model_support.validation.stage import Stage, StageResult
+from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+
+if TYPE_CHECKING:
+    from model_support.core.megatron.hf_reference import LoraDelta
+
+__all__ = ["GRADIENT_FP32_TOLERANCES", "LOWP_TOLERANCE_FACTOR", "LoraGradientsStage", "megatron_gradients"]
+
+# fp32 tolerances of each case (metric names take the case's prefix, ``long_`` or ``packed_``): max |ours - reference| /
+# max |reference| of the per-token losses, and of the worst LoRA factor's gradient.
+GRADIENT_FP32_TOLERANCES = {"loss_rel_err": 1e-4, "grad_worst_factor_rel_err": 1e-4}
+# The adapter must change the per-token losses by this many times what their comparison lets pass (the ratio of
+# compare.EFFECT_FLOOR for logits).
+EFFECT_MARGIN = 10.0
+# Seeds (offsets from the run's): this stage's random adapter, its long row and its packed sequences.
+ADAPTER_SEED, LONG_ROW_SEED, PACKED_SEED = 5, 30, 31
+SHORT_SEQUENCE = 9  # the packed row's middle sequence
+
+
+@dataclass
+class GradientRun:
+    """One way of running the rows: each predicted token's cross entropy (the rows' in order; the loss is their sum)
+    and each LoRA factor's gradient, keyed by the Megatron factor it is (canonical, tensor-parallel-1 layout)."""
+
+    losses: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of each next token of one sequence (``logits`` [S, V], ``tokens`` [S]): [S - 1]."""
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), tokens[1:].to(logits.device), reduction="none")
+
+
+def packed_lengths(length: int) -> tuple[int, int, int]:
+    """Three sequences filling a row of ``length`` tokens: a third of it and one token (past a 64-token GDN chunk on
+    a 193-token row), a short one, the rest; the later two do not start on a chunk boundary."""
+    first = length // 3 + 1
+    return first, SHORT_SEQUENCE, length - first - SHORT_SEQUENCE
+
+
+def factor_gradients(weight_grads: dict[str, torch.Tensor], deltas: dict[str, LoraDelta]) -> dict[str, torch.Tensor]:
+    """PEFT-named gradients of each adapter module's factors, from the gradient ``G`` of the checkpoint tensor it is
+    merged into: ``W' = W + s B A`` gives ``dL/dA = s B^T G`` and ``dL/dB = s G A^T`` (float64, on the CPU)."""
+    from model_support.core.codecs import PEFT_PREFIX
+
+    out = {}
+    for key, delta in deltas.items():
+        grad = weight_grads[key].detach().double().cpu()
+        a, b = delta.lora_a.double().cpu(), delta.lora_b.double().cpu()
+        module = PEFT_PREFIX + key.removesuffix(".weight")
+        out[f"{module}.lora_A.weight"] = delta.scale * b.T @ grad
+        out[f"{module}.lora_B.weight"] = delta.scale * grad @ a.T
+    return out
+
+
+def megatron_gradients(
+    ctx: Any, state: dict[str, torch.Tensor], peft: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """PEFT-named factor gradients in Megatron's canonical layout, through the handler's codec: a fused Megatron
+    module's one A is shared by the HF modules it covers, so its gradient is the sum of theirs; its B's rows are
+    theirs, so its gradient is the codec's assembly of their B gradients (``from_peft``). ``state``: the Megatron
+    adapter, whose modules ``to_peft`` maps to the HF modules they cover."""
+    codec, out = ctx.spec.codec, {}
+    for module in sorted({key.rsplit(".lora_", 1)[0] for key in state}):
+        factors = {f"{module}.lora_{w}.weight": state[f"{module}.lora_{w}.weight"] for w in "AB"}
+        covered = codec.to_peft(factors, ctx.config, ctx.layout)
+        a_keys = [key for key in covered if key.endswith(".lora_A.weight")]
+        shared_a = sum(peft[key] for key in a_keys)
+        grads = {key: shared_a if key in a_keys else peft[key] for key in covered}
+        out |= codec.from_peft(grads, ctx.config, ctx.layout)
+    return out
+
+
+def reference_run(
+    model: torch.nn.Module, rows: list[torch.Tensor], replay: list[list[torch.Tensor]] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """Each row ([1, S]) alone through the whole transformers model, forward and backward of its summed token cross
+    entropy: (the per-token losses, the checkpoint tensors' gradients, each row's top-k indices per MoE block). With
+    ``replay`` (one such routing per row) the MoE blocks take it instead of choosing."""
+    from model_support.core.megatron.hf_reference import checkpoint_gradients, routing_hooks
+    from model_support.core.precision import exact_fp32
+
+    weight = model.get_input_embeddings().weight  # (a vision tower's parameters stay on the meta device)
+    model.zero_grad(set_to_none=True)
+    losses, routing = [], []
+    for i, tokens in enumerate(rows):
+        captures: list[Any] = []
+        with routing_hooks(model, captures, None if replay is None else replay[i]):
+            with exact_fp32(weight.dtype == torch.float32):
+                out = model(input_ids=tokens.to(weight.device), use_cache=False).logits
+            loss = token_losses(out[0], tokens[0])
+            loss.sum().backward()
+        losses.append(loss.detach().double().cpu())
+        routing.append([capture.indices for capture in captures])
+    grads = {key: grad.detach().clone() for key, grad in checkpoint_gradients(model).items()}
+    model.zero_grad(set_to_none=True)
+    return torch.cat(losses), grads, routing
+
+
+def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Tensor]]) -> GradientRun:
+    """The rows packed into one row (position ids restarting at 0 at each; a single row runs unpacked) through the
+    trainer's step (``api.forward_backward``: megatron-core's schedule), the loss each row's summed token cross
+    entropy, each MoE router replaying the rows' ``routing`` (:func:`reference_run`'s)."""
+    from model_support.core import api
+    from model_support.core.megatron.compare import replayed_routing
+    from model_support.core.megatron.lora import lora_modules
+    from model_support.core.megatron.session import training_model
+
+    trainer = training_model(ctx)
+    model = trainer.module
+    row = torch.cat(rows, dim=1)
+    positions = torch.cat([torch.arange(r.shape[1]) for r in rows])[None] if len(rows) > 1 else None
+    bounds = list(itertools.pairwise(itertools.accumulate((r.shape[1] for r in rows), initial=0)))
+
+    losses: list[torch.Tensor] = []  # the step's one micro-batch's per-token losses
+
+    def loss_fn(logits: torch.Tensor, _micro: Any) -> torch.Tensor:
+        per_token = torch.cat([token_losses(logits[0, s:e], row[0, s:e]) for s, e in bounds])
+        losses.append(per_token.detach())
+        return per_token.sum()
+
+    model.zero_grad(set_to_none=True)
+    with replayed_routing(model, [torch.cat(calls) for calls in zip(*routing, strict=True)], batch=1):
+        api.forward_backward(trainer, row, loss_fn, position_ids=positions)
+    grads = {}
+    for name, module in lora_modules(model).items():
+        for which, factor in (("A", module.lora_A.weight), ("B", module.lora_B.weight)):
+            grad = torch.zeros_like(factor) if factor.grad is None else factor.grad
+            grads[f"{name}.lora_{which}.weight"] = grad.detach().double().cpu()
+    model.zero_grad(set_to_none=True)
+    return GradientRun(torch.cat(losses).double().cpu(), grads)
+
+
+def worst_factor(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[str, float, int]:
+    """(name, error) of the factor with the largest max |ours - ref| / max |ref|, and how many factors have an
+    all-zero reference gradient (no token reached them; their error is max |ours|, 0 when both are zero)."""
+    errors, zero = {}, 0
+    for name, grad in ref.items():
+        scale, diff = grad.abs().max().item(), (ours[name] - grad).abs().max().item()
+        zero += scale == 0
+        errors[name] = diff / scale if scale > 0 else diff
+    name = max(errors, key=errors.__getitem__)
+    return name, errors[name], zero
+
+
+def tolerance_note(dtype: torch.dtype) -> str:
+    """One line saying what the loss and gradients of a ``dtype`` model are held to."""
+    if dtype == torch.float32:
+        return "tolerances (torch.float32), each case: " + ", ".join(
+            f"{k} <= {v:g}" for k, v in GRADIENT_FP32_TOLERANCES.items()
+        )
+    return (
+        f"tolerances ({dtype}), each case: the per-token losses and all factor gradients (as one vector) at most "
+        f"{LOWP_TOLERANCE_FACTOR:g}x as far from fp32 as transformers' own {dtype} run (same adapter, tokens and "
+        f"routing), floors {LOWP_FLOOR}"
+    )
+
+
+class LoraGradientsStage(Stage):
+    """The Megatron model with a random non-zero adapter and the transformers model carrying the same adapter
+    (written by the handler's codec as a PEFT adapter, merged into the checkpoint's tensors) run the same loss, the
+    summed token cross entropy: on a long row (across every length-dependent structure, e.g. three GDN chunks) and
+    on a packed row of three sequences (position ids restarting at 0, through the trainer's step,
+    ``api.forward_backward``; transformers runs each sequence alone and sums). Every token's loss and every LoRA
+    factor's gradient, A and B, must agree.
+
+    The reference is the whole fp32 transformers model in memory, autograd through all of it: the gradient ``G`` of
+    each adapted checkpoint tensor (transformers' own save-path conversion splits fused expert parameters back into
+    the checkpoint's per-expert tensors) gives the PEFT factors' gradients, ``s B^T G`` and ``s G A^T``; the codec
+    maps them into Megatron's layout (a fused module's A gradient is the sum over the HF modules sharing it, its B
+    gradient the rows of theirs). PEFT's own LoRA layers are not used: PEFT 0.21 cannot place per-expert adapters
+    on transformers 5's fused Qwen3.5-MoE experts. MoE routers replay the reference's routing, so a near tie
+    cannot flip.
+
+    fp32: max |diff| / max |reference| at most 1e-4 for the per-token losses (``loss_rel_err``) and for the worst
+    factor's gradient (``grad_worst_factor_rel_err``, named in ``grad_worst_factor``; a factor no token reached
+    has an all-zero reference and is held to max |ours| instead). Below fp32 the per-token losses and all gradients
+    as one vector are held (relative L2, mean-abs percent) to ``LOWP_TOLERANCE_FACTOR`` times the distance of
+    transformers' own run in that dtype (same adapter, tokens and routing) from fp32, with floors. Control: the
+    adapter must change the long row's per-token losses (relative L2, ``adapter_effect_loss_rel_l2``) by ten times
+    what their comparison lets pass, so a wrong adapter cannot pass. Catches a LoRA branch whose input is detached
+    (no gradient through the branch into earlier layers) and a B gradient missing the LoRA scale, which every
+    Megatron-against-itself comparison shares (and Adam's step hides)."""
+
+    name = "lora_gradients"
+    title = "The loss and every LoRA factor's gradient match the fp32 transformers model carrying the same adapter."
+    order = 45
+    requires = ("lora_coverage",)
+    packages = MEGATRON_PACKAGES
+
+    def skip_reason(self, ctx: CheckContext) -> str | None:
+        if ctx.spec.codec is None:
+            return f"handler {ctx.spec.name} declares no LoRA codec"
+        return None
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        from model_support.core import api
+        from model_support.core.megatron.compare import closeness, replayed_routing, tolerances
+        from model_support.core.megatron.dist import device
+        from model_support.core.megatron.hf_reference import adapter_deltas, whole_reference
+        from model_support.core.megatron.lora import lora_state
+        from model_support.core.megatron.session import long_row, random_tokens, training_model, with_random_lora
+        from model_support.validation.stages.lora_coverage import logits_without_lora
+
+        built = with_random_lora(ctx, offset=ADAPTER_SEED)
+        model, dtype = built.model, built.numerics.dtype
+        state = lora_state(model)
+        adapter_dir = api.export_adapter(training_model(ctx), ctx.workdir / "lora-gradients-adapter")
+        deltas = adapter_deltas(adapter_dir)
+        length = long_row(ctx)
+        lengths = packed_lengths(length)
+        cases = {
+            "long": [random_tokens(ctx, (1, length), offset=LONG_ROW_SEED)],
+            "packed": [random_tokens(ctx, (1, n), offset=PACKED_SEED + i) for i, n in enumerate(lengths)],
+        }
+
+        def in_megatron_layout(losses: torch.Tensor, weight_grads: dict[str, torch.Tensor]) -> GradientRun:
+            return GradientRun(losses, megatron_gradients(ctx, state, factor_gradients(weight_grads, deltas)))
+
+        # The fp32 reference, then (below fp32) transformers' own run in the model's dtype on the same routing.
+        reference = whole_reference(ctx.model_dir, ctx.config, device(), torch.float32, deltas)
+        refs, routings = {}, {}
+        for case, rows in cases.items():
+            loss, grads, routings[case] = reference_run(reference, rows)
+            refs[case] = in_megatron_layout(loss, grads)
+        del reference
+        lows: dict[str, GradientRun] = {}
+        if dtype != torch.float32:
+            low = whole_reference(ctx.model_dir, ctx.config, device(), dtype, deltas)
+            for case, rows in cases.items():
+                loss, grads, _ = reference_run(low, rows, replay=routings[case])
+                lows[case] = in_megatron_layout(loss, grads)
+            del low
+
+        metrics: dict[str, Any] = {
+            "dtype": built.numerics.dtype_name,
+            "long_tokens": length,
+            "packed_tokens": sum(lengths),
+            "packed_sequences": len(lengths),
+        }
+        thresholds: dict[str, float] = {}
+        details = [f"adapter written to {adapter_dir}, merged into the transformers model's checkpoint tensors"]
+        for case, rows in cases.items():
+            ours, ref = megatron_run(ctx, rows, routings[case]), refs[case]
+            if set(ours.grads) != set(ref.grads):
+                missing = sorted(set(ours.grads) ^ set(ref.grads))
+                return self.failed(f"{case}: the codec's factors differ from the model's LoRA factors: {missing[:3]}")
+            names = sorted(ref.grads)
+
+            def flat(run: GradientRun, names: list[str] = names) -> torch.Tensor:
+                return torch.cat([run.grads[n].flatten() for n in names])
+
+            worst, error, zero = worst_factor(ours.grads, ref.grads)
+            grads = closeness(flat(ours), flat(ref))
+            metrics |= {
+                f"{case}_loss": ref.losses.sum().item(),
+                **closeness(ours.losses, ref.losses, prefix=f"{case}_loss_"),
+                f"{case}_factors": len(names),
+                f"{case}_zero_reference_factors": zero,
+                f"{case}_grad_worst_factor_rel_err": error,
+                f"{case}_grad_worst_factor": worst,
+                f"{case}_grad_rel_l2": grads["rel_l2"],
+                f"{case}_grad_mean_abs_pct": grads["mean_abs_pct"],
+            }
+            if case in lows:
+                lowp_loss = closeness(lows[case].losses, ref.losses)
+                lowp_grad = closeness(flat(lows[case]), flat(ref))
+                thresholds |= tolerances(dtype, prefix=f"{case}_loss_", reference_lowp=lowp_loss)
+                thresholds |= tolerances(dtype, prefix=f"{case}_grad_", reference_lowp=lowp_grad)
+                metrics |= {f"{case}_reference_{metrics['dtype']}_loss_rel_l2": lowp_loss["rel_l2"]}
+                metrics |= {f"{case}_reference_{metrics['dtype']}_grad_{k}": v for k, v in lowp_grad.items()}
+            else:
+                thresholds |= {f"{case}_{k}": v for k, v in GRADIENT_FP32_TOLERANCES.items()}
+            details.append(
+                f"{case}: {len(rows)} sequence(s) of {[r.shape[1] for r in rows]} tokens, {len(names)} LoRA factors, "
+                f"worst {worst} ({error:.2e})"
+            )
+
+        # Control: the long row's per-token losses without the adapter (every LoRA scaled to zero), same routing.
+        tokens = cases["long"][0]
+        with torch.no_grad(), replayed_routing(model, routings["long"][0], batch=1):
+            base = token_losses(logits_without_lora(model, tokens)[0], tokens[0])
+        effect = closeness(refs["long"].losses, base)["rel_l2"]
+        metrics["adapter_effect_loss_rel_l2"] = effect
+        # What the loss comparison lets pass: its relative L2 limit below fp32, its max-relative one in fp32.
+        loss_limit = thresholds.get("long_loss_rel_l2", thresholds.get("long_loss_rel_err"))
+        details.append(tolerance_note(dtype))
+        why = "the random adapter changes the loss too little for the comparison to see a wrong adapter"
+        return self.blind(
+            "adapter_effect_loss_rel_l2",
+            effect,
+            EFFECT_MARGIN * loss_limit,
+            why,
+            metrics=metrics,
+            thresholds=thresholds,
+            details=details,
+        ) or self.judge(
+            metrics,
+            thresholds,
+            f"loss and {metrics['long_factors']} LoRA factor gradients match transformers on a {length}-token row "
+            f"and {len(lengths)} packed sequences ({metrics['dtype']})",
+            details,
+            ctx=ctx,
+        )
