@@ -43,6 +43,9 @@ KEY_METRICS = {
         "reference_bfloat16_mean_abs_pct",
         "router_flips",
         "router_near_ties",
+        "long_tokens",
+        "long_rel_l2",
+        "long_reference_bfloat16_rel_l2",
         "build_s",
     ),
     "lora_coverage": (

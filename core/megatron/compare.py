@@ -56,6 +56,15 @@ def closeness(ours: torch.Tensor, ref: torch.Tensor, prefix: str = "") -> dict[s
     }
 
 
+def worst_closeness(
+    ours: torch.Tensor, ref: torch.Tensor, bounds: Sequence[tuple[int, int]], prefix: str = ""
+) -> dict[str, float]:
+    """:func:`closeness` of each span ``[start, end)`` of the first dimension (a packed row's sequences), the worst
+    of each metric: a wrong short sequence beside a long right one is not averaged away by the long one's tokens."""
+    spans = [closeness(ours[start:end], ref[start:end], prefix) for start, end in bounds]
+    return {key: max(span[key] for span in spans) for key in spans[0]}
+
+
 def tolerances(
     dtype: torch.dtype, prefix: str = "", reference_lowp: dict[str, float] | None = None
 ) -> dict[str, float]:

@@ -244,6 +244,8 @@ def whole_reference(
     ``adapter`` merged), for autograd through it: gradients of its weights name checkpoint tensors through
     :func:`checkpoint_gradients`. Its MoE routing can be recorded or replayed with :func:`routing_hooks`."""
     reference = StreamedReference(model_dir, config, device, dtype)
+    # Below fp32 too: fla's Gated DeltaNet backward refuses Hopper with Triton < 3.7.1, transformers' torch path runs.
+    _torch_kernels(reference.model)
     reference._deltas = reference._checked(adapter)
     for index in range(len(reference.layers)):
         reference._enter_layer(index)
