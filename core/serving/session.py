@@ -176,12 +176,15 @@ def megatron_logprobs(ctx: CheckContext, sequences: list[list[int]]) -> list[tor
         return [rows.double().cpu() for rows in api.token_logprobs(model, sequences)]
 
 
-def trainer_logprobs(ctx: CheckContext, adapter: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Per-position log-softmax of the fp32 transformers policy (base + adapter merged) for each sequence."""
+def trainer_logprobs(
+    ctx: CheckContext, adapter: Path, sequences: list[list[int]], dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """Per-position log-softmax of the transformers policy (base + adapter merged; fp32 unless ``dtype`` says) for
+    each sequence."""
     from model_support.core.megatron.hf_reference import adapter_deltas
     from model_support.core.megatron.session import hf_reference
 
-    reference, deltas = hf_reference(ctx), adapter_deltas(adapter)
+    reference, deltas = hf_reference(ctx, dtype), adapter_deltas(adapter)
     by_length: dict[int, list[int]] = {}
     for i, seq in enumerate(sequences):
         by_length.setdefault(len(seq), []).append(i)

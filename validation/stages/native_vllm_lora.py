@@ -24,7 +24,7 @@ from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Requirement, Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
-from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
+from model_support.validation.stages.merged_serving import calibrated_tolerance, cannot_serve
 
 _PROBE = """
 import json, sys
@@ -127,8 +127,9 @@ class NativeVllmLoraStage(Stage):
                 for p, c, r in zip(prompts, choices, reference, strict=True)
             ]
         )
-        tol = logprob_tolerance(options.dtype)
+        tol, own = calibrated_tolerance(ctx, adapter, prompts, reference, options.dtype)
         metrics = {
+            **own,
             "lora_logprob_max_abs_err": delta.max().item(),
             "lora_logprob_mean_abs_err": delta.mean().item(),
             "tokens_compared": delta.numel(),
