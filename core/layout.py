@@ -169,20 +169,30 @@ def sliding_window(config: Any) -> int | None:
     return int(window)
 
 
-def rope_scaling(config: Any) -> dict[str, Any] | None:
-    """The text config's rope scaling parameters (``rope_parameters`` or the older ``rope_scaling``), None when the
-    rotary embedding is plain (``rope_type`` default, or no rotary parameters at all)."""
+def scaled_ropes(config: Any) -> dict[str | None, dict[str, Any]]:
+    """The text config's scaled rotary embeddings (``rope_parameters`` or the older ``rope_scaling``): their parameters
+    by the layer type they apply to (None: every layer), empty when the rotary embedding is plain (``rope_type``
+    default, or no rotary parameters at all)."""
     cfg = text_config(config)
     for name in ("rope_parameters", "rope_scaling"):
         value = getattr(cfg, name, None)
-        if isinstance(value, Mapping):
-            # Gemma 3 keeps one dict per attention kind ({"full_attention": {...}, "sliding_attention": {...}}).
-            nested = [v for v in value.values() if isinstance(v, Mapping)]
-            for params in nested or [value]:
-                kind = params.get("rope_type", params.get("type", "default"))
-                if kind not in (None, "default"):
-                    return dict(params)
-    return None
+        if not isinstance(value, Mapping):
+            continue
+        # Gemma 3 keeps one dict per attention kind ({"full_attention": {...}, "sliding_attention": {...}}).
+        nested = {kind: p for kind, p in value.items() if isinstance(p, Mapping)}
+        scaled = {
+            kind: dict(p)
+            for kind, p in (nested or {None: value}).items()
+            if p.get("rope_type", p.get("type", "default")) not in (None, "default")
+        }
+        if scaled:
+            return scaled
+    return {}
+
+
+def rope_scaling(config: Any) -> dict[str, Any] | None:
+    """The parameters of the config's first scaled rotary embedding (:func:`scaled_ropes`), None when none is."""
+    return next(iter(scaled_ropes(config).values()), None)
 
 
 def length_structures(config: Any, layout: ModelLayout) -> dict[str, int]:

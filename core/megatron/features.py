@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from model_support.core.layout import rope_scaling, sliding_window, text_config
+from model_support.core.layout import scaled_ropes, sliding_window, text_config
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.self_attention\.core_attention$")
 
@@ -52,14 +52,11 @@ def _expected_frequencies(config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(what the config asks, transformers' inverse frequencies) for each scaled rotary embedding of the config."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    text = text_config(config)
-    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    nested = {kind: p for kind, p in params.items() if isinstance(p, dict)}
-    for layer_type, p in (nested or {None: params}).items():
-        kind = p.get("rope_type", p.get("type", "default"))
-        if kind in (None, "default") or kind not in ROPE_INIT_FUNCTIONS:
+    for layer_type, p in scaled_ropes(config).items():
+        kind = p.get("rope_type", p.get("type"))
+        if kind not in ROPE_INIT_FUNCTIONS:
             continue
-        inv_freq, _ = ROPE_INIT_FUNCTIONS[kind](text, torch.device("cpu"), layer_type=layer_type)
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[kind](text_config(config), torch.device("cpu"), layer_type=layer_type)
         yield f"rope_type={kind!r} ({', '.join(f'{k}={v}' for k, v in p.items() if k != 'rope_type')})", inv_freq
 
 
@@ -73,7 +70,7 @@ def _frequencies(module: torch.nn.Module) -> torch.Tensor:
 
 
 def _rope_problems(config: Any, chunks: Sequence[torch.nn.Module]) -> list[str]:
-    if rope_scaling(config) is None:
+    if not scaled_ropes(config):
         return []
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 

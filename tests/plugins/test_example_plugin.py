@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_cli, run_plugin_tests, within_thresholds
+from tests.megatron.conftest import MEGATRON_STAGES
 
 LLAMA_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-llama"
 
@@ -31,16 +32,6 @@ def test_llama_is_listed_from_its_own_distribution(site: Path):
     assert data["plugin"] == {"name": "llama", "distribution": "model-support-llama", "version": "0.1.0"}
     assert Path(data["reference_config"]).name == "llama-3.2-1b.json"
     assert Path(data["reference_config"]).is_relative_to(site)
-
-
-MEGATRON_STAGES = (
-    "hf_parity",
-    "lora_coverage",
-    "lora_gradients",
-    "packed_position_ids",
-    "shared_prefix",
-    "trainability",
-)
 
 
 def test_check_tiny_on_llama_passes_the_megatron_stages(site: Path, tmp_path: Path):
