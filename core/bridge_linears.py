@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from model_support.core.layout import ModelLayout
@@ -89,10 +88,8 @@ def bridge_linears(config: Any, layout: ModelLayout, checkpoint: Any = None) -> 
     :class:`~model_support.core.megatron.builder.MegatronBuildError` where it has no bridge for the architecture.
     """
     from model_support.core.megatron.builder import family_bridge, mapping_registry
+    from model_support.core.megatron.state_source import hf_pretrained
 
     model_bridge, tcfg = family_bridge(config)
-    shim = SimpleNamespace(config=tcfg, generation_config=None)
-    if checkpoint is not None:
-        shim.state = checkpoint
-    model_bridge.hf_pretrained = shim
+    model_bridge.hf_pretrained = hf_pretrained(tcfg, checkpoint)
     return type(model_bridge).__name__, mapped_linears(mapping_registry(model_bridge).mappings, layout)

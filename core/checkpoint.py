@@ -44,10 +44,10 @@ def stored_tensors(model_dir: Path) -> dict[str, tuple[Path, tuple[int, ...], st
 class TextCheckpoint(Mapping):
     """The language-model tensors of a safetensors checkpoint, under text-model names (a read-only mapping).
 
-    Acts as the ``hf_pretrained`` a megatron-bridge model bridge expects (``config``, ``state[name]``,
-    ``state.source.get_all_keys()``) and as the state dict its ``maybe_modify_loaded_hf_weight`` reads. For a
-    multimodal checkpoint (``model.language_model.*``), ``model.X`` names are served from
-    ``model.language_model.X``; vision and MTP tensors are dropped.
+    A bridge reads it through megatron-bridge's own state accessor
+    (:func:`model_support.core.megatron.state_source.hf_pretrained`); it is also the state dict a bridge's
+    ``maybe_modify_loaded_hf_weight`` reads. For a multimodal checkpoint (``model.language_model.*``), ``model.X``
+    names are served from ``model.language_model.X``; vision and MTP tensors are dropped.
     :meth:`raw_key` gives the name a tensor has in the files (what transformers' loader expects).
     """
 
@@ -67,8 +67,6 @@ class TextCheckpoint(Mapping):
                 self._where[key] = (path, key)
         self._shapes = {name: stored[key][1] for name, (_, key) in self._where.items()}
         self.multimodal = multimodal
-        self.state = self
-        self.source = self
 
     def get_all_keys(self) -> list[str]:
         return list(self._where)
@@ -103,13 +101,17 @@ class TextCheckpoint(Mapping):
 
     def read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(raw key, tensor)`` for ``names``, opening each file once."""
+        for name, tensor in self.read_named(names):
+            yield self.raw_key(name), tensor
+
+    def read_named(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(text-model name, tensor)`` for ``names``, opening each file once."""
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}
         for name in names:
-            path, key = self._where[name]
-            by_file.setdefault(path, []).append(key)
-        for path, keys in by_file.items():
+            by_file.setdefault(self._where[name][0], []).append(name)
+        for path, group in by_file.items():
             with safe_open(path, "pt") as f:
-                for key in keys:
-                    yield key, f.get_tensor(key)
+                for name in group:
+                    yield name, f.get_tensor(self._where[name][1])

@@ -113,7 +113,9 @@ class _Family:
 
         # No checkpoint: a bridge that picks expert mappings by the checkpoint's keys (Qwen3.5-MoE) takes its default,
         # per-expert names (experts.<e>.gate_proj), which is how PEFT and vLLM address experts in any checkpoint.
-        shim = SimpleNamespace(config=tcfg, generation_config=None)
+        from model_support.core.megatron.state_source import hf_pretrained
+
+        shim = hf_pretrained(tcfg)
         model_bridge.hf_pretrained = shim
         provider = model_bridge.provider_bridge(shim)
         # Parameters named `<module>.weight`: the linears LoRA wraps (not grouped-GEMM `weight<e>`), so the reverse

@@ -22,7 +22,6 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from model_support.core.errors import ModelSupportError
 from model_support.core.layout import text_config
 from model_support.core.megatron.dist import ParallelLayout, device, init_parallel
 from model_support.core.megatron.imports import import_bridge
+from model_support.core.megatron.state_source import hf_pretrained
 
 # Fusions that need transformer-engine, apex or megatron's CUDA extensions, none of which the local spec
 # path assumes (on CPU none of them could run at all).
@@ -314,7 +314,7 @@ def build_megatron_model(
 
     model_bridge, tcfg = family_bridge(config)
     checkpoint = TextCheckpoint(Path(model_dir), tcfg)
-    shim = SimpleNamespace(config=tcfg, state=checkpoint, generation_config=None)
+    shim = hf_pretrained(tcfg, checkpoint)
     model_bridge.hf_pretrained = shim
     provider = model_bridge.provider_bridge(shim)
     gdn = provider.experimental_attention_variant == "gated_delta_net"

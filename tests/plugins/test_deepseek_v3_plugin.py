@@ -24,20 +24,13 @@ SERVING_STAGES = (
 NO_MLA_LORA = "merged-only: vLLM applies no LoRA to MLA's kv_b_proj"
 
 
-@pytest.fixture(scope="module")
-def installed(install_copy) -> tuple[Path, Path]:
-    """(a copy of the plugin's source tree, the directory pip installed it into)."""
-    return install_copy(PLUGIN)
-
-
-def test_check_tiny_on_deepseek_v3_runs_every_stage(installed: tuple[Path, Path], tmp_path: Path):
+def test_check_tiny_on_deepseek_v3_runs_every_stage(default_check):
     from model_support.core.serving.runtime import load_runtime
     from model_support.core.serving.session import CPU_MOE_RELOAD_GAP, backend
 
-    report_path = tmp_path / "deepseek-v3.json"
-    result = run_cli("check", "deepseek-v3", "--tiny", "--json", str(report_path), site=installed[1])
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(report_path.read_text())
+    check = default_check(PLUGIN)
+    assert check.returncode == 0, check.output
+    report = check.report
     assert report["handler"] == "deepseek-v3" and report["handler_origin"] == "model-support-deepseek-v3 0.1.0"
     results = {r["stage"]: r for r in report["results"]}
     assert list(results) == ["dependencies", "architecture", "weights", *MEGATRON_STAGES, *SERVING_STAGES]
@@ -108,7 +101,8 @@ def test_declaring_standard_attention_targets_fails_architecture(tmp_path: Path,
     assert "k_proj" in architecture["summary"] and "v_proj" in architecture["summary"]
 
 
-def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    result = run_plugin_tests(*installed)
+def test_the_plugins_own_tests_pass(default_check):
+    check = default_check(PLUGIN)
+    result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout  # two tests + the stage test for architecture and its prerequisite

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import run_cli, run_plugin_tests
+from tests.helpers import run_plugin_tests
 from tests.megatron.conftest import require_megatron
 
 pytestmark = pytest.mark.slow
@@ -25,25 +25,17 @@ STAGES = (
 
 
 @pytest.fixture(scope="module")
-def installed(install_copy) -> tuple[Path, Path]:
-    """(a copy of the plugin's source tree, the directory pip installed it into)."""
-    return install_copy(GEMMA3_PLUGIN)
+def site(default_check) -> Path:
+    return default_check(GEMMA3_PLUGIN).site
 
 
 @pytest.fixture(scope="module")
-def site(installed: tuple[Path, Path]) -> Path:
-    return installed[1]
-
-
-@pytest.fixture(scope="module")
-def check(site: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    """(the JSON report of one ``check gemma3 --tiny`` over every stage, the tiny model it built)."""
-    workdir = tmp_path_factory.mktemp("gemma3-check")
-    report_path = workdir / "gemma3.json"
-    result = run_cli("check", "gemma3", "--tiny", "--workdir", str(workdir), "--json", str(report_path), site=site)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (model_dir,) = workdir.glob("*/tiny-model")
-    return json.loads(report_path.read_text()), model_dir
+def check(default_check) -> tuple[dict[str, Any], Path]:
+    """(the JSON report of the default ``check gemma3 --tiny``, the tiny model it built)."""
+    result = default_check(GEMMA3_PLUGIN)
+    assert result.returncode == 0, result.output
+    (model_dir,) = result.workdir.glob("*/tiny-model")
+    return result.report, model_dir
 
 
 def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Path]):
@@ -71,8 +63,9 @@ def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Pa
     assert results["lora_coverage"]["metrics"]["codec_layout_err"] == 0.0
 
 
-def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    result = run_plugin_tests(*installed)
+def test_the_plugins_own_tests_pass(default_check):
+    check = default_check(GEMMA3_PLUGIN)
+    result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout
 

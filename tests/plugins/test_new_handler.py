@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
 from typer.testing import CliRunner
 
 from model_support.core.cli import app, main
+from model_support.core.discovery import load_config, locate
+from model_support.core.layout import ConfigFields
 from model_support.core.spec import HandlerSpec, TargetScope, Topology
+from model_support.handlers.configs import CONFIGS
 from model_support.handlers.qwen3_5 import QWEN3_5_MOE
-from model_support.plugins.new_handler import NewHandlerError, generate, template_context
+from model_support.plugins.new_handler import LayoutOptions, NewHandlerError, generate, template_context
 from tests.helpers import pip_install_target, run_cli
 
-QWEN2_CONFIG = Path(__file__).parent / "fixtures" / "qwen2.5-0.5b.json"
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN2_CONFIG = FIXTURES / "qwen2.5-0.5b.json"
+# Published configs whose layout fields have other names than transformers' common ones.
+MIXTRAL = FIXTURES / "mixtral-8x7b.json"  # mistralai/Mixtral-8x7B-v0.1: no megatron-bridge bridge
+GLM = FIXTURES / "glm-4.5-air.json"  # zai-org/GLM-4.5-Air
+GPT_OSS = FIXTURES / "gpt-oss-20b.json"  # openai/gpt-oss-20b
+ROOT = Path(__file__).parents[2]
+
+
+def pyproject_transformers_floor() -> str:
+    """The transformers floor pyproject.toml states."""
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = next(Requirement(r).specifier for r in requirements if Requirement(r).name == "transformers")
+    return next(s.version for s in spec if s.operator == ">=")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +79,12 @@ def test_generated_package_declares_the_family_from_its_config(generated: Path):
     assert handler.topology is Topology.DENSE and not handler.linear_attention
     assert handler.hf_target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     assert handler.megatron_target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-    assert [(d.package, d.minimum) for d in handler.dependencies] == [("transformers", "4.40.1")]
+    # The oldest releases model-support tests (not the release that saved the config, 4.40.1).
+    assert [(d.package, d.minimum, d.extra) for d in handler.dependencies] == [
+        ("transformers", pyproject_transformers_floor(), None),
+        ("megatron-core", "0.19.2", "megatron"),
+        ("megatron-bridge", "0.6.2", "megatron"),
+    ]
     assert handler.codec is not None and handler.codec.name == "qwen2"
     # The real config ships unchanged as the reference config; the tiny fixture is the shrunk replica config.
     assert json.loads(handler.reference_config.read_text()) == json.loads(QWEN2_CONFIG.read_text())
@@ -202,8 +230,214 @@ def test_interactive_prompts_offer_what_the_config_says(tmp_path: Path):
         app, ["new-handler", "-c", str(QWEN2_CONFIG), "-o", str(tmp_path)], input="my-q2\n" + "\n" * 14
     )
     assert result.exit_code == 0, result.output
-    for prompt in ("handler_name (qwen2)", "architecture (Qwen2ForCausalLM)", "transformers_floor (4.40.1)"):
+    floor = f"transformers_floor ({pyproject_transformers_floor()})"
+    for prompt in ("handler_name (qwen2)", "architecture (Qwen2ForCausalLM)", floor):
         assert prompt in result.output
     assert "package_name (model_support_my_q2)" in result.output
     handler = load_handler(tmp_path / "model-support-my-q2")
     assert (handler.name, handler.architectures, handler.topology) == ("my-q2", ("Qwen2ForCausalLM",), Topology.DENSE)
+
+
+def _gpt2_config(directory: Path) -> Path:
+    """A family megatron-bridge has no bridge for (nor does it come close: no experts, fused attention)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    path = directory / "gpt2.json"
+    path.write_text(config.to_json_string())
+    return path
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """{handler name: (config, generated package)} for the shipped Qwen3 config, Mixtral, GLM-4.5-Air, gpt-oss and
+    GPT-2 (no bridge), each generated from its config.json alone."""
+    out = tmp_path_factory.mktemp("families")
+    configs = {
+        "new-qwen3": CONFIGS / "qwen3-0.6b.json",
+        "new-mixtral": MIXTRAL,
+        "new-glm4-moe": GLM,
+        "new-gpt-oss": GPT_OSS,
+        "new-gpt2": _gpt2_config(out),
+    }
+    return {name: (config, generate(template_context(str(config), name=name), out)) for name, config in configs.items()}
+
+
+@pytest.fixture
+def import_handler(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], Any]]:
+    """Import a generated package's ``handler`` module the way an installed plugin is: by name, off sys.path."""
+    imported: list[str] = []
+
+    def load(package: Path) -> Any:
+        name = next((package / "src").iterdir()).name
+        monkeypatch.syspath_prepend(str(package / "src"))
+        imported.append(name)
+        return importlib.import_module(f"{name}.handler")
+
+    yield load
+    for name in imported:
+        for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+            del sys.modules[module]
+
+
+def bridge_numbers(config: Any) -> tuple[int, int, int, int, tuple[int, ...]]:
+    """(experts, top-k, expert width, shared expert width, dense layers) of the Megatron model megatron-bridge
+    builds for ``config``."""
+    from model_support.core.megatron.builder import family_bridge
+
+    bridge, tcfg = family_bridge(config)
+    provider = bridge.provider_bridge(SimpleNamespace(config=tcfg, generation_config=None))
+    freq = provider.moe_layer_freq
+    assert isinstance(freq, list) or freq == 1, freq  # these families: a 0/1 list, or every layer MoE
+    dense = tuple(i for i, moe in enumerate(freq) if not moe) if isinstance(freq, list) else ()
+    return (
+        provider.num_moe_experts,
+        provider.moe_router_topk,
+        provider.moe_ffn_hidden_size,
+        provider.moe_shared_expert_intermediate_size or 0,
+        dense,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "numbers", "bridge"),
+    [
+        # Experts in num_local_experts, as wide as intermediate_size; megatron-bridge has no Mixtral bridge.
+        ("new-mixtral", (8, 2, 14336, 0, ()), None),
+        # n_routed_experts, one shared expert of moe_intermediate_size (n_shared_experts), first layer dense.
+        ("new-glm4-moe", (128, 8, 1408, 1408, (0,)), "GLM45Bridge"),
+        # num_local_experts as wide as intermediate_size; sliding_attention layers.
+        ("new-gpt-oss", (32, 4, 2880, 0, ()), "GPTOSSBridge"),
+    ],
+)
+def test_moe_configs_with_their_own_field_names_need_no_edit(
+    families: dict[str, tuple[Path, Path]], import_handler: Any, name: str, numbers: tuple, bridge: str | None
+):
+    config_path, package = families[name]
+    handler = import_handler(package).HANDLER
+    config = load_config(locate(str(config_path)))
+    layout = handler.layout(config)
+    moe = layout.moe
+    assert handler.topology is Topology.MOE
+    got = (moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.shared_expert_intermediate_size)
+    assert (*got, moe.dense_layers) == numbers
+    # Every layer is a layer kind model-support builds: gpt-oss's sliding-window layers are full attention.
+    assert layout.layer_types == ("full_attention",) * config.num_hidden_layers
+    source = next((package / "src").glob("*/handler.py")).read_text()
+    if bridge:
+        assert bridge_numbers(config) == numbers
+        assert f"checked against the Megatron model megatron-bridge's {bridge} builds" in source
+    else:
+        assert "not checked against a bridge" in source
+
+
+def test_the_declaration_holds_exactly_what_differs_from_the_defaults(
+    families: dict[str, tuple[Path, Path]], import_handler: Any
+):
+    def fields(name: str) -> ConfigFields:
+        return import_handler(families[name][1]).HANDLER.config_fields
+
+    # num_local_experts is one of the default expert fields; the expert width is not moe_intermediate_size.
+    assert fields("new-mixtral") == ConfigFields(expert_intermediate_size="intermediate_size")
+    assert fields("new-gpt-oss") == ConfigFields(
+        expert_intermediate_size="intermediate_size",
+        layer_kinds={"sliding_attention": "full_attention", "full_attention": "full_attention"},
+    )
+    glm = fields("new-glm4-moe")
+    assert glm.experts == ("n_routed_experts",)
+    assert (glm.experts_per_token, glm.expert_intermediate_size) == ("num_experts_per_tok", "moe_intermediate_size")
+    # Small named functions of the config, read from its own fields.
+    source = (families["new-glm4-moe"][1] / "src" / "model_support_new_glm4_moe" / "handler.py").read_text()
+    assert "    return cfg.n_shared_experts * cfg.moe_intermediate_size\n" in source
+    assert "    return range(cfg.first_k_dense_replace)\n" in source
+    # Qwen3 keeps its layout under transformers' common names: nothing to declare.
+    assert fields("new-qwen3") == ConfigFields()
+    qwen3 = (families["new-qwen3"][1] / "src" / "model_support_new_qwen3" / "handler.py").read_text()
+    assert "config_fields=" not in qwen3
+
+
+@pytest.mark.parametrize("name", ["new-qwen3", "new-mixtral", "new-glm4-moe", "new-gpt-oss", "new-gpt2"])
+def test_every_generated_python_file_parses(families: dict[str, tuple[Path, Path]], name: str):
+    package = families[name][1]
+    files = sorted(package.rglob("*.py"))
+    assert [f.name for f in files] == ["__init__.py", "handler.py", "test_handler.py"]
+    for path in files:
+        ast.parse(path.read_text(), filename=str(path))
+
+
+def test_a_bridge_error_becomes_comment_lines(families: dict[str, tuple[Path, Path]]):
+    # megatron-bridge's message lists every architecture it supports over many lines: one line of it is kept.
+    source = (families["new-gpt2"][1] / "src" / "model_support_new_gpt2" / "handler.py").read_text()
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if "Not derived from a bridge" in line)
+    end = next(i for i, line in enumerate(lines) if line.startswith("    lora_targets="))
+    assert all(line.startswith("    # ") for line in lines[start:end]) and end - start == 2
+    assert " ".join(line.removeprefix("    # ") for line in lines[start:end]) == (
+        "Not derived from a bridge: megatron-bridge has no bridge for GPT2LMHeadModel. Check these names against the "
+        "checkpoint."
+    )
+    assert "Currently supported architectures" not in source
+
+
+def _variant(tmp_path: Path, base: Path, **changes: Any) -> Path:
+    raw = json.loads(base.read_text())
+    raw.update(changes)
+    path = tmp_path / base.name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_errors_name_the_configs_own_fields_and_the_option_that_settles_them(tmp_path: Path):
+    # GLM45Bridge builds one shared expert of moe_intermediate_size whatever n_shared_experts says.
+    two_shared = _variant(tmp_path, GLM, n_shared_experts=2)
+    with pytest.raises(NewHandlerError) as error:
+        template_context(str(two_shared), name="glm2")
+    message = str(error.value)
+    assert "megatron-bridge's GLM45Bridge builds a shared expert 1408 wide" in message
+    assert "the config sets none of shared_expert_intermediate_size" in message
+    assert "the config sets n_shared_experts=2 (routed experts moe_intermediate_size=1408)" in message
+    assert "pass --shared-expert-width-field NAME" in message and "or --shared-experts-field NAME" in message
+    # The option settles it, and the declaration says so.
+    context = template_context(
+        str(two_shared), name="glm2", options=LayoutOptions(shared_expert_width="moe_intermediate_size")
+    )
+    assert 'shared_expert_intermediate_size="moe_intermediate_size"' in context["_config_fields"]
+    # An option the bridge contradicts is refused with both numbers.
+    with pytest.raises(NewHandlerError, match=r"GLM45Bridge builds: experts 8 \(bridge: 128\); fix the field options$"):
+        template_context(str(GLM), name="glm", options=LayoutOptions(experts="num_experts_per_tok"))
+    # Without a bridge, two expert counts: the error names both and the option.
+    two_counts = _variant(tmp_path, MIXTRAL, n_routed_experts=16)
+    with pytest.raises(NewHandlerError, match=r"num_local_experts=8, n_routed_experts=16: which is the expert count\? "
+                       r"pass --experts-field NAME\)$"):  # fmt: skip
+        template_context(str(two_counts), name="mixtral")
+    with pytest.raises(
+        NewHandlerError, match=r"--dense-layers-field first_k_dense_replace: .*the config has no experts"
+    ):
+        template_context(str(QWEN2_CONFIG), options=LayoutOptions(dense_layers="first_k_dense_replace"))
+
+
+def test_layer_kind_option_through_the_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    kinds = ["chunked_attention", "full_attention"] * 12
+    chunked = _variant(tmp_path, GPT_OSS, layer_types=kinds)
+    with pytest.raises(NewHandlerError, match=r"pass --layer-kind chunked_attention=full_attention \(or"):
+        template_context(str(chunked), name="chunky")
+    result = CliRunner().invoke(
+        app,
+        ["new-handler", "-c", str(chunked), "--no-input", "-o", str(tmp_path), "--name", "chunky",
+         "--layer-kind", "chunked_attention=full_attention", "--expert-width-field", "intermediate_size"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    source = (tmp_path / "model-support-chunky" / "src" / "model_support_chunky" / "handler.py").read_text()
+    assert 'layer_kinds={"chunked_attention": "full_attention", "full_attention": "full_attention"}' in source
+    ast.parse(source)
+    # A malformed value is a one-line error.
+    monkeypatch.setattr(sys, "argv", ["model-support", "new-handler", "-c", str(chunked), "--layer-kind", "chunked"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --layer-kind 'chunked': write it KIND=AS, e.g. sliding_attention=full_attention"
+    )

@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import MEGATRON_STAGES, run_cli, run_plugin_tests, within_thresholds
+from tests.helpers import MEGATRON_STAGES, run_plugin_tests, within_thresholds
 
 pytestmark = pytest.mark.slow
 OLMOE_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
 SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch")
 
 
-@pytest.fixture(scope="module")
-def installed(install_copy) -> tuple[Path, Path]:
-    """(a copy of the plugin's source tree, the directory pip installed it into)."""
-    return install_copy(OLMOE_PLUGIN)
-
-
-def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
+def test_check_tiny_on_olmoe(default_check):
     from model_support.core.serving.backend import get_backend
     from model_support.core.serving.session import CPU_MOE_LORA_GAP, CPU_MOE_RELOAD_GAP
 
-    report_path = tmp_path / "olmoe.json"
-    result = run_cli(
-        "check", "olmoe", "--tiny", "--json", str(report_path), "--workdir", str(tmp_path), site=installed[1]
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    check = default_check(OLMOE_PLUGIN)
+    assert check.returncode == 0, check.output
+    report = check.report
     assert report["handler"] == "olmoe" and report["handler_origin"] == "model-support-olmoe 0.1.0"
     results = {r["stage"]: r for r in report["results"]}
     for stage in ("dependencies", "architecture", "weights", *MEGATRON_STAGES):
@@ -68,7 +58,8 @@ def test_check_tiny_on_olmoe(installed: tuple[Path, Path], tmp_path: Path):
     assert results["merged_serving"]["metrics"]["prompt_logprob_max_abs_err"] < 1e-4
 
 
-def test_the_plugins_own_tests_pass(installed: tuple[Path, Path]):
-    result = run_plugin_tests(*installed)
+def test_the_plugins_own_tests_pass(default_check):
+    check = default_check(OLMOE_PLUGIN)
+    result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "7 passed" in result.stdout

@@ -57,8 +57,11 @@ class ParallelParityStage(Stage):
     through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two micro-batches. Layouts come
     from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, etp2, tp2-sp, pp2,
     pp2-vp2, cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the
-    model cannot be split into (layers per pipeline chunk) is named with its reason instead. With as many GPUs as
-    the largest layout needs the job runs one process per GPU (NCCL), else on the CPU (gloo)."""
+    model cannot be split into (layers per pipeline chunk) is named with its reason instead. A tiny replica keeps
+    the fewest layers that hold every layer kind (CI checks every family this way), so ``pp2-vp2`` (four chunks) is
+    checked on the four-layer GDN replicas and named as not checked on two-layer ones; ``model-support tiny
+    --layers 4`` builds one deep enough. With as many GPUs as the largest layout needs the job runs one process per
+    GPU (NCCL), else on the CPU (gloo)."""
 
     name = "parallel_parity"
     title = "Tensor, sequence, pipeline, context and expert parallel layouts train like the single-rank model."

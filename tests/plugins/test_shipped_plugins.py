@@ -1,0 +1,48 @@
+"""Every plugin distribution under plugins/ passes its whole default ``check --tiny``: every stage and every default
+layout passes, or skips because the vLLM on this machine cannot serve the family (vLLM's own reason)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import within_thresholds
+from tests.plugins.conftest import SHIPPED
+
+pytestmark = pytest.mark.slow
+
+# Skips that name what vLLM (the CPU build here, or vLLM at all) cannot do; any other skip fails.
+VLLM_SKIPS = ("the CPU vLLM build", "merged-only: vLLM ")
+
+
+def _default_stages() -> list[str]:
+    from model_support.core.registry import load_registry
+    from model_support.validation.runner import plan
+
+    return [s.name for s in plan([s.stage for s in load_registry().stages], None)]
+
+
+def _vllm_skip(summary: str) -> bool:
+    from model_support.core.serving.session import backend
+
+    return summary.startswith(VLLM_SKIPS) or summary == backend().unavailable_reason()
+
+
+def test_every_family_of_the_project_ships_as_a_plugin_checked_here():
+    assert {p.name for p in SHIPPED} >= {
+        "model-support-llama", "model-support-gemma3", "model-support-olmoe", "model-support-deepseek-v3",
+        "model-support-glm4-moe",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("plugin", SHIPPED, ids=[p.name.removeprefix("model-support-") for p in SHIPPED])
+def test_the_default_check_passes(plugin: Path, default_check):
+    check = default_check(plugin)
+    assert check.returncode == 0, check.output
+    assert list(check.results) == _default_stages()
+    for stage, verdict in check.results.items():
+        if verdict["status"] == "skip":
+            assert _vllm_skip(verdict["summary"]), (stage, verdict["summary"])
+            continue
+        assert verdict["status"] == "pass" and within_thresholds(verdict), (stage, verdict)
