@@ -22,7 +22,7 @@ SCOPE_PARENTS: dict[TargetScope, tuple[str, ...]] = {
     TargetScope.SHARED_EXPERT: ("shared_expert", "shared_experts"),
     TargetScope.EXPERT: ("experts",),
 }
-# transformers >= 5 stores experts as fused 3-D parameters instead of per-expert modules.
+# Checkpoints that store experts as fused 3-D tensors (Qwen3.5-MoE's) are addressed per expert by PEFT and vLLM.
 _FUSED_EXPERT_PARAMS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
@@ -46,10 +46,19 @@ def _present(target: LoraTarget, hf: str, modules: set[str], params: set[str]) -
     return any(pattern.search(m) for m in modules)
 
 
+def stored_names(model: Any) -> tuple[set[str], set[str]]:
+    """(module paths, tensor names) of what a checkpoint of ``model`` stores: its state dict under transformers'
+    own reverse conversion, as ``save_pretrained`` writes it (Mixtral's ``block_sparse_moe.experts.<e>.w1`` for the
+    fused ``mlp.experts.gate_up_proj`` it builds in memory). PEFT, vLLM and the exporter address these names."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = set(revert_weight_conversion(model, model.state_dict()))
+    return checkpoint_modules(names), names
+
+
 def missing_targets(spec: HandlerSpec, model: Any) -> list[str]:
-    """HF target modules the declaration names that the model does not have."""
-    modules = {name for name, _ in model.named_modules()}
-    params = {name for name, _ in model.named_parameters()}
+    """HF target modules the declaration names that a checkpoint of the model does not store."""
+    modules, params = stored_names(model)
     return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, params)]
 
 
@@ -134,8 +143,7 @@ def target_name_problems(spec: HandlerSpec, bridge: str, linears: Sequence[Mappe
 def model_linears(linears: Sequence[MappedLinear], model: Any) -> list[MappedLinear]:
     """The mapped linears the transformers ``model`` has (a bridge maps every variant of its family: DeepSeek's
     ``q_proj`` where ``q_lora_rank`` is None, the dense MLP of an MoE family whose configs may have none)."""
-    modules = {name for name, _ in model.named_modules()}
-    params = {name for name, _ in model.named_parameters()}
+    modules, params = stored_names(model)
     return [
         linear
         for linear in linears

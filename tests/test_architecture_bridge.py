@@ -259,3 +259,26 @@ def test_every_builtin_declaration_covers_what_its_bridge_maps(tiny_model_dir, t
     for spec in (QWEN3_MOE, QWEN3_5):
         result = _architecture(spec, tiny_model_dir(spec.name), tmp_path)
         assert result.status == "pass", (spec.name, result.summary)
+
+
+def test_targets_are_checked_against_the_names_a_checkpoint_stores_not_the_in_memory_modules():
+    """transformers >= 5 fuses Mixtral's experts in memory (mlp.experts.gate_up_proj); its checkpoints, PEFT adapters
+    and vLLM keep block_sparse_moe.experts.<e>.w1 / w3 / w2: the names transformers' own conversion saves."""
+    from model_support.core.validate import missing_targets, stored_names
+
+    config = transformers.MixtralConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=16, num_local_experts=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, architectures=["MixtralForCausalLM"],
+    )  # fmt: skip
+    model = build_meta_model(config)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())
+    modules, _ = stored_names(model)
+    assert {"model.layers.0.block_sparse_moe.experts.1.w3", "model.layers.0.block_sparse_moe.gate"} <= modules
+    stored = (LoraTarget("linear_fc1", ("w1", "w3"), TargetScope.EXPERT),)
+    in_memory = (LoraTarget("linear_fc1", ("gate_up_proj",), TargetScope.EXPERT),)
+    spec = replace(QWEN3_MOE, lora_targets=targets.ATTENTION + stored)
+    assert missing_targets(spec, model) == []
+    assert missing_targets(replace(spec, lora_targets=targets.ATTENTION + in_memory), model) == ["expert:gate_up_proj"]
+    assert missing_targets(replace(spec, lora_targets=targets.ATTENTION + targets.EXPERTS), model) == [
+        "expert:gate_proj", "expert:up_proj", "expert:down_proj",
+    ]  # fmt: skip
