@@ -22,6 +22,7 @@ autograd through it), and :func:`checkpoint_gradients` names its weights' gradie
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.codecs import PEFT_PREFIX, load_peft_adapter
@@ -254,6 +256,11 @@ def whole_reference(
         param.requires_grad_(False)
     for param in reference.layers.parameters():
         param.requires_grad_(True)
+    for layer in reference.layers:
+        # Each layer's activations are recomputed in the backward: a 4096-token row's fp32 attention probabilities
+        # alone are 6 GiB a layer at 96 heads. Hand-written because transformers checkpoints only in training mode,
+        # where routers may draw jitter noise.
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     return reference.model
 
 

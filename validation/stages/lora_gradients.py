@@ -102,10 +102,12 @@ def reference_run(
             with exact_fp32(weight.dtype == torch.float32):
                 out = model(input_ids=tokens.to(weight.device), use_cache=False).logits
             loss = token_losses(out[0], tokens[0])
+            # The forward's routing: the backward recomputes each layer (whole_reference), and the hooks see it again.
+            routing.append([capture.indices for capture in captures])
             loss.sum().backward()
         losses.append(loss.detach().double().cpu())
-        routing.append([capture.indices for capture in captures])
-    grads = {key: grad.detach().clone() for key, grad in checkpoint_gradients(model).items()}
+    # Views of the parameters' gradients (no second copy of them): set_to_none leaves them to the caller.
+    grads = {key: grad.detach() for key, grad in checkpoint_gradients(model).items()}
     model.zero_grad(set_to_none=True)
     return torch.cat(losses), grads, routing
 
@@ -236,6 +238,7 @@ class LoraGradientsStage(Stage):
         for case, rows in cases.items():
             loss, grads, routings[case] = reference_run(reference, rows)
             refs[case] = in_megatron_layout(loss, grads)
+            del grads  # the reference's weight gradients: as large as its weights
         del reference
         lows: dict[str, GradientRun] = {}
         if dtype != torch.float32:
@@ -243,6 +246,7 @@ class LoraGradientsStage(Stage):
             for case, rows in cases.items():
                 loss, grads, _ = reference_run(low, rows, replay=routings[case])
                 lows[case] = in_megatron_layout(loss, grads)
+                del grads
             del low
 
         metrics: dict[str, Any] = {
