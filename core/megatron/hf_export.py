@@ -103,7 +103,7 @@ def hf_weights(built: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
     }
     exported = built.bridge.stream_weights_megatron_to_hf(
         built.chunks,
-        checkpoint,
+        built.bridge.hf_pretrained,  # the config and the checkpoint's state, as the build read them
         cpu=False,
         show_progress=False,
         conversion_tasks=_tasks(local, lookup),

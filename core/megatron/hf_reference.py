@@ -257,11 +257,54 @@ def whole_reference(
     for param in reference.layers.parameters():
         param.requires_grad_(True)
     for layer in reference.layers:
-        # Each layer's activations are recomputed in the backward: a 4096-token row's fp32 attention probabilities
-        # alone are 6 GiB a layer at 96 heads. Hand-written because transformers checkpoints only in training mode,
-        # where routers may draw jitter noise.
+        # Each layer's activations are recomputed in the backward. Hand-written because transformers checkpoints only
+        # in training mode, where routers may draw jitter noise.
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    if reference.model.config._attn_implementation == "sdpa":
+        reference.model.set_attn_implementation(_register_repeated_kv_sdpa())
     return reference.model
+
+
+_REPEATED_KV_SDPA = "model_support_repeated_kv_sdpa"
+
+
+def _repeated_kv_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **_kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with the key / value heads repeated instead of SDPA's ``enable_gqa``, which only
+    the math kernel takes in fp32: its backward holds [heads, S, S] probabilities (6 GiB a layer at 96 heads and 4096
+    tokens), where the memory-efficient kernel this allows holds O(S)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    causal = (
+        query.shape[2] > 1
+        and attention_mask is None
+        and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=attention_mask, dropout_p=dropout,
+        scale=scaling, is_causal=causal,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_repeated_kv_sdpa() -> str:
+    """Register :func:`_repeated_kv_sdpa` (and SDPA's own masks for it) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_REPEATED_KV_SDPA, _repeated_kv_sdpa)
+    AttentionMaskInterface.register(_REPEATED_KV_SDPA, sdpa_mask)
+    return _REPEATED_KV_SDPA
 
 
 def checkpoint_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
