@@ -8,6 +8,7 @@ declaration never claims more than the bridge knows.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,21 +41,33 @@ class BridgeTargets:
     targets: tuple[LoraTarget, ...]
     unmapped: tuple[str, ...]
 
-    def expression(self) -> str:
-        """The ``lora_targets=`` expression: standard tuples by name, the rest as explicit ``LoraTarget`` entries."""
-        parts = []
+    def _groups(self) -> list[tuple[TargetScope, str | None, tuple[LoraTarget, ...]]]:
+        """Per scope (in declaration order): the standard tuple's name that is exactly its targets, or None."""
+        out = []
         for scope in _SCOPE_ORDER:
-            group = tuple(t for t in self.targets if t.scope is scope)
-            if not group:
-                continue
-            name = next((n for n, tuple_ in _STANDARD.items() if set(tuple_) == set(group)), None)
-            parts.append(
-                name
-                or "("
-                + "".join(f"LoraTarget({t.megatron!r}, {t.hf!r}, TargetScope.{t.scope.name}), " for t in group)
-                + ")"
-            )
-        return " + ".join(parts)
+            group = tuple(sorted((t for t in self.targets if t.scope is scope), key=lambda t: t.megatron))
+            if group:
+                out.append((scope, next((n for n, t in _STANDARD.items() if set(t) == set(group)), None), group))
+        return out
+
+    def expression(self) -> str:
+        """The ``lora_targets=`` expression: standard tuples by name, the others by the constants of
+        :meth:`definitions`."""
+        return " + ".join(name or f"{scope.name}_TARGETS" for scope, name, _ in self._groups())
+
+    def definitions(self) -> str:
+        """Module-level constants (``EXPERT_TARGETS = (LoraTarget(...), ...)``, one entry a line, each followed by two
+        blank lines) for the scopes whose targets are no standard tuple."""
+        out = []
+        for scope, name, group in self._groups():
+            if name is None:
+                entries = "".join(
+                    f"    LoraTarget({json.dumps(t.megatron)}, ({''.join(json.dumps(h) + ', ' for h in t.hf)[:-2]},), "
+                    f"TargetScope.{scope.name}),\n"
+                    for t in group
+                )
+                out.append(f"{scope.name}_TARGETS = (\n{entries})\n\n\n")
+        return "".join(out)
 
 
 def bridge_targets(config: Any, layout: ModelLayout, hf_linears: set[str]) -> BridgeTargets:

@@ -561,16 +561,18 @@ def _targets(config: Any, layout: Any) -> dict[str, Any]:
     except BridgeTargetsError as exc:
         return {
             "_lora_targets": _fallback_targets(layout),
+            "_target_constants": "",
             "_explicit_targets": False,
             "_targets_note": f"Not derived from a bridge: {_first_line(str(exc))}. Check these names against the "
             "checkpoint.",
             "_bridge": "",
         }
     unmapped = f" Not mapped by it (no LoRA here): {', '.join(found.unmapped)}." if found.unmapped else ""
-    expression = found.expression()
+    definitions = found.definitions()
     return {
-        "_lora_targets": expression,
-        "_explicit_targets": "LoraTarget(" in expression,
+        "_lora_targets": found.expression(),
+        "_target_constants": definitions,
+        "_explicit_targets": bool(definitions),
         "_targets_note": f"Derived from megatron-bridge's {found.bridge} mappings.{unmapped}",
         "_bridge": found.bridge,
     }

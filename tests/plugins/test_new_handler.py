@@ -351,6 +351,12 @@ def test_the_declaration_holds_exactly_what_differs_from_the_defaults(
     source = (families["new-glm4-moe"][1] / "src" / "model_support_new_glm4_moe" / "handler.py").read_text()
     assert "    return cfg.n_shared_experts * cfg.moe_intermediate_size\n" in source
     assert "    return range(cfg.first_k_dense_replace)\n" in source
+    # Targets no standard tuple holds are a named constant, one entry a line, in Megatron order, within 120 columns.
+    gpt_oss = (families["new-gpt-oss"][1] / "src" / "model_support_new_gpt_oss" / "handler.py").read_text()
+    assert "    lora_targets=targets.ATTENTION + EXPERT_TARGETS,\n" in gpt_oss
+    assert '    LoraTarget("linear_fc1", ("gate_up_proj",), TargetScope.EXPERT),\n' in gpt_oss
+    assert gpt_oss.index('"linear_fc1"') < gpt_oss.index('"linear_fc2"')
+    assert max(len(line) for line in gpt_oss.splitlines()) <= 120
     # Qwen3 keeps its layout under transformers' common names: nothing to declare.
     assert fields("new-qwen3") == ConfigFields()
     qwen3 = (families["new-qwen3"][1] / "src" / "model_support_new_qwen3" / "handler.py").read_text()

@@ -28,11 +28,12 @@ from model_support.core.spec import (
     VllmLora,
 )
 
-# config.json of a real checkpoint of the family: `model-support check {{ cookiecutter.handler_name }} --tiny` replicates it.
+# config.json of a real checkpoint of the family, which
+# `model-support check {{ cookiecutter.handler_name }} --tiny` replicates.
 REFERENCE_CONFIG = Path(__file__).with_name("reference_config.json")
 
 
-{{ cookiecutter._config_functions }}# Where the family differs from the defaults, declare it here (docs/adding-a-model.md): config_fields (where
+{{ cookiecutter._target_constants }}{{ cookiecutter._config_functions }}# Where the family differs from the defaults, declare it here (docs/adding-a-model.md): config_fields (where
 # the config keeps expert counts, widths, dense layers, layer kinds), tiny_config (tiny-replica sizes),
 # megatron_layer_spec (modules of its own), config_requirements (configs it cannot build),
 # RuntimePolicy(tolerances=..., parallel_limits=...), and a bridge megatron-bridge lacks through the
