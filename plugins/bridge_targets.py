@@ -29,6 +29,11 @@ _STANDARD = {
 }
 
 
+def _names(names: tuple[str, ...]) -> str:
+    """A tuple of names as ruff formats it: ``("w2",)``, ``("w1", "w3")``."""
+    return "(" + ", ".join(map(json.dumps, names)) + ("," if len(names) == 1 else "") + ")"
+
+
 class BridgeTargetsError(ModelSupportError):
     """The family's bridge cannot be read (megatron-bridge missing, or no bridge for the architecture)."""
 
@@ -62,8 +67,7 @@ class BridgeTargets:
         for scope, name, group in self._groups():
             if name is None:
                 entries = "".join(
-                    f"    LoraTarget({json.dumps(t.megatron)}, ({''.join(json.dumps(h) + ', ' for h in t.hf)[:-2]},), "
-                    f"TargetScope.{scope.name}),\n"
+                    f"    LoraTarget({json.dumps(t.megatron)}, {_names(t.hf)}, TargetScope.{scope.name}),\n"
                     for t in group
                 )
                 out.append(f"{scope.name}_TARGETS = (\n{entries})\n\n\n")

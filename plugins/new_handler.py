@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ import typer
 
 from model_support.core.errors import ConfigError, ModelSupportError
 from model_support.core.layout import FULL_ATTENTION, LINEAR_ATTENTION, ConfigFields
+from model_support.core.spec import LoraTarget
+from model_support.plugins.bridge_targets import BridgeTargets
 
 if TYPE_CHECKING:
     from model_support.core.layout import ModelLayout
@@ -541,14 +544,45 @@ def _decoder_linears(config: Any) -> set[str]:
     }
 
 
-def _fallback_targets(layout: Any) -> str:
-    """The standard targets the layout implies, where no bridge can be read."""
-    parts = ["targets.ATTENTION"] + (["targets.GATED_DELTANET"] if layout.gdn_layers else [])
+def _stored_expert_targets(config: Any) -> tuple[LoraTarget, ...] | None:
+    """Expert targets under the names a checkpoint stores where transformers fuses the experts in memory and reads
+    other names (Mixtral's ``w1``, ``w3`` / ``w2``): the sources of its own conversion into ``experts.gate_up_proj``
+    (gate then up: Megatron's ``linear_fc1``) and ``experts.down_proj`` (``linear_fc2``). None: the standard names."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    from model_support.core.spec import TargetScope
+    from model_support.core.validate import build_meta_model
+
+    sources: dict[str, tuple[str, ...]] = {}
+    for conversion in get_model_conversion_mapping(build_meta_model(config)):
+        if not isinstance(conversion, WeightConverter) or len(conversion.target_patterns) != 1:
+            continue
+        fused = conversion.target_patterns[0].rsplit(".", 1)[-1]
+        names = [re.fullmatch(r"\.experts\.\*\.(\w+)\.weight", p) for p in conversion.source_patterns]
+        if fused in ("gate_up_proj", "down_proj") and all(names):
+            sources[fused] = tuple(m.group(1) for m in names if m)
+    standard = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    if set(sources) != set(standard) or sources == standard:
+        return None
+    return (
+        LoraTarget("linear_fc1", sources["gate_up_proj"], TargetScope.EXPERT),
+        LoraTarget("linear_fc2", sources["down_proj"], TargetScope.EXPERT),
+    )
+
+
+def _fallback_targets(config: Any, layout: Any) -> BridgeTargets:
+    """The standard targets the layout implies, where no bridge can be read; experts under the names the checkpoint
+    stores where transformers' conversion reads others."""
+    from model_support.core import targets
+
+    found = targets.ATTENTION + (targets.GATED_DELTANET if layout.gdn_layers else ())
     if layout.moe:
-        parts += ["targets.EXPERTS"] + (["targets.SHARED_EXPERT"] if layout.moe.has_shared_expert else [])
+        found += _stored_expert_targets(config) or targets.EXPERTS
+        found += targets.SHARED_EXPERT if layout.moe.has_shared_expert else ()
     else:
-        parts.append("targets.DENSE_MLP")
-    return " + ".join(parts)
+        found += targets.DENSE_MLP
+    return BridgeTargets("", found, ())
 
 
 def _targets(config: Any, layout: Any) -> dict[str, Any]:
@@ -559,12 +593,17 @@ def _targets(config: Any, layout: Any) -> dict[str, Any]:
     try:
         found = bridge_targets(config, layout, _decoder_linears(config))
     except BridgeTargetsError as exc:
+        fallback = _fallback_targets(config, layout)
         return {
-            "_lora_targets": _fallback_targets(layout),
-            "_target_constants": "",
-            "_explicit_targets": False,
-            "_targets_note": f"Not derived from a bridge: {_first_line(str(exc))}. Check these names against the "
-            "checkpoint.",
+            "_lora_targets": fallback.expression(),
+            "_target_constants": fallback.definitions(),
+            "_explicit_targets": bool(fallback.definitions()),
+            "_targets_note": f"Not derived from a bridge: {_first_line(str(exc))}. "
+            + (
+                "Expert names: those transformers' checkpoint conversion reads. "
+                if fallback.definitions()
+                else "Check these names against the checkpoint."
+            ),
             "_bridge": "",
         }
     unmapped = f" Not mapped by it (no LoRA here): {', '.join(found.unmapped)}." if found.unmapped else ""

@@ -224,8 +224,33 @@ def gpt_block_spec(config: Any, vp_stage: int | None = None) -> TransformerBlock
     )
     for spec in {id(s): s for s in block.layer_specs}.values():
         _localize(spec, config)
+    block.layer_specs = _windowed(config, block.layer_specs, vp_stage)
     block.layer_norm = local_norm(config) or block.layer_norm
     return block
+
+
+def _windowed(config: Any, specs: list[ModuleSpec], vp_stage: int | None) -> list[ModuleSpec]:
+    """This stage's layer specs with sliding-window attention where the provider asks for it: ``window_size``
+    ``(left, 0)`` (a query sees itself and ``left`` keys before it) on the layers ``window_attn_skip_freq`` picks, by
+    megatron-core's own rule (every layer when it is unset)."""
+    window = getattr(config, "window_size", None)
+    if not window:
+        return specs
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    left, right = window
+    if right != 0:
+        raise ValueError(f"window_size {tuple(window)}: a decoder attends to no later token, so the right side is 0")
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    out = []
+    for index, spec in enumerate(specs):
+        if is_layer_window_attention(window, config.window_attn_skip_freq, offset + index + 1):
+            spec = copy.deepcopy(spec)
+            attention = spec.submodules.self_attention.submodules
+            attention.core_attention = ModuleSpec(module=SDPAttention, params={"window": left + 1})
+        out.append(spec)
+    return out
 
 
 def stage_layers(config: Any, layers: list[ModuleSpec], vp_stage: int | None = None) -> list[ModuleSpec]:

@@ -41,4 +41,4 @@ def test_the_plugins_own_tests_pass(default_check):
     check = default_check(PLUGIN)
     result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 passed" in result.stdout  # five tests + the stage test for architecture and its prerequisite
+    assert "7 passed" in result.stdout  # six tests + the stage test for architecture and its prerequisite

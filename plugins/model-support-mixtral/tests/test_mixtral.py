@@ -4,6 +4,7 @@ import json
 
 import pytest
 from model_support.core.registry import load_registry
+from model_support.core.tiny import build_tiny
 from model_support.core.validate import build_meta_model, missing_targets
 from transformers import MixtralConfig
 
@@ -52,6 +53,18 @@ def test_the_bridge_maps_the_checkpoints_expert_names():
         "gate": "model.layers.3.block_sparse_moe.experts.5.w1.weight",
         "up": "model.layers.3.block_sparse_moe.experts.5.w3.weight",
     }
+
+
+def test_a_sliding_window_is_built_and_matches_transformers(tmp_path, model_support_check):
+    """A Mixtral config with a sliding window: the bridge asks for it (window_size), the local spec builds it on
+    every layer, and the logits match transformers' past the window (hf_parity's long row crosses it)."""
+    config = {**json.loads(REFERENCE_CONFIG.read_text()), "sliding_window": 8}
+    model_dir = build_tiny(config, tmp_path / "windowed", spec=MIXTRAL)
+    results = {r.stage: r for r in model_support_check(model_dir, stages=["hf_parity"]).results}
+    assert "the built Megatron model implements the config's sliding window" in results["architecture"].details
+    parity = results["hf_parity"]
+    assert "rows: 2 x 32 tokens, and 1 x 65 (sliding_window from 9 tokens)" in parity.details
+    assert parity.metrics["max_abs_err"] < 1e-5 and parity.metrics["long_max_abs_err"] < 1e-5
 
 
 @pytest.mark.model_support("mixtral", tiny=True)
