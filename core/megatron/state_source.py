@@ -26,11 +26,13 @@ def hf_pretrained(config: Any, checkpoint: TextCheckpoint | None = None) -> Simp
         import_bridge()
         from megatron.bridge.models.hf_pretrained.state import StateDict, StateSource
 
+        keys = checkpoint.get_all_keys()  # one list: StateDict looks names up in it
+
         class CheckpointSource(StateSource):
             """megatron-bridge's state-source protocol over the checkpoint's text-model names."""
 
             def get_all_keys(self) -> list[str]:
-                return checkpoint.get_all_keys()
+                return keys
 
             def load_tensors(self, keys: list[str]) -> dict[str, Any]:
                 return dict(checkpoint.read_named(keys))
