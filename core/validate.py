@@ -66,11 +66,11 @@ class TargetCoverageError(ModelSupportError):
     """LoRA tensors (an adapter) leave a declared target without any module."""
 
 
-def uncovered_targets(spec: HandlerSpec, module_names: Iterable[str]) -> list[str]:
+def uncovered_targets(spec: HandlerSpec, module_names: Iterable[str], tensor_names: Iterable[str] = ()) -> list[str]:
     """Declared HF targets (``scope:name``) that none of ``module_names`` (full module paths, as in a
-    checkpoint's or an adapter's tensor names) addresses."""
-    modules = set(module_names)
-    return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, set())]
+    checkpoint's or an adapter's tensor names) addresses, nor (experts) a stacked tensor of ``tensor_names``."""
+    modules, tensors = set(module_names), set(tensor_names)
+    return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, tensors)]
 
 
 def modules_under(scope: TargetScope, module_names: Iterable[str]) -> list[str]:
@@ -195,6 +195,12 @@ def _declared(fields: ConfigFields, name: str) -> str:
     return f"config_fields.{name} ({getattr(value, '__name__', None) if callable(value) else repr(value)})"
 
 
+def _down_width(shape: tuple[int, ...], hidden: int) -> int:
+    """The width of a down projection's tensor: its dimension other than the hidden size, whichever way it is stored
+    ([hidden, width], stacked [experts, hidden, width], or gpt-oss's [experts, width, hidden])."""
+    return shape[-2] if shape[-1] == hidden else shape[-1]
+
+
 def checkpoint_size_problems(
     spec: HandlerSpec, config: Any, layout: ModelLayout, linears: Sequence[MappedLinear], checkpoint: TextCheckpoint
 ) -> tuple[list[str], list[str]]:
@@ -226,13 +232,14 @@ def checkpoint_size_problems(
             f"expert count: config {count_field} (config_fields.experts) = {moe.num_experts}, the checkpoint holds "
             f"{count} experts in layer {layer} ({name} ...)"
         )
-    width = moe.expert_intermediate_size
-    other_width = next(((name, shape) for name, shape, _ in found.values() if shape[-1] != width), None)
+    width, hidden = moe.expert_intermediate_size, text_config(config).hidden_size
+    widths = {name: _down_width(shape, hidden) for name, shape, _ in found.values()}
+    other_width = next(((name, shape) for name, shape, _ in found.values() if widths[name] != width), None)
     if other_width:
         name, shape = other_width
         problems.append(
             f"expert width: config {fields.expert_intermediate_size} (config_fields.expert_intermediate_size) = "
-            f"{width}, the checkpoint's {name} is {list(shape)} (width {shape[-1]})"
+            f"{width}, the checkpoint's {name} is {list(shape)} (width {widths[name]})"
         )
     dense = sorted(set(range(layout.num_layers)) - set(expert_layers))
     if not expert_layers:
@@ -252,10 +259,12 @@ def checkpoint_size_problems(
     elif shared is not None:
         by_layer = _hf_tensors(shared, checkpoint)
         names = [name for layer in sorted(by_layer) if layer < layout.num_layers for name in by_layer[layer].values()]
-        wrong = next((name for name in names if checkpoint.shape(name)[-1] != shared_width), None)
+        wrong = next((name for name in names if _down_width(checkpoint.shape(name), hidden) != shared_width), None)
         if wrong:
             shape = checkpoint.shape(wrong)
-            problems.append(f"{declared}, the checkpoint's {wrong} is {list(shape)} (width {shape[-1]})")
+            problems.append(
+                f"{declared}, the checkpoint's {wrong} is {list(shape)} (width {_down_width(shape, hidden)})"
+            )
         elif not names and moe.has_shared_expert:
             problems.append(f"{declared}, the checkpoint holds no shared-expert tensor ({shared.hf_params[0]})")
     if problems:

@@ -12,9 +12,15 @@ import transformers
 
 from model_support.core import targets
 from model_support.core.checkpoint import TextCheckpoint
+from model_support.core.layout import text_config
 from model_support.core.registry import RegisteredHandler, Registry
 from model_support.core.spec import HandlerSpec, LoraExclusion, LoraTarget, SpecError, TargetScope
-from model_support.core.validate import build_meta_model, checkpoint_size_problems
+from model_support.core.validate import (
+    build_meta_model,
+    checkpoint_modules,
+    checkpoint_size_problems,
+    uncovered_targets,
+)
 from model_support.handlers import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
 from model_support.plugins.manager import PluginInfo
 from model_support.validation.context import CheckContext
@@ -215,6 +221,51 @@ def test_stacked_expert_tensors_count_experts_by_their_first_dimension(tiny_mode
         "expert count: config num_experts (config_fields.experts) = 4, the checkpoint holds 3 experts in layer 0 "
         "(model.layers.0.mlp.experts.down_proj ...)"
     ]
+
+
+def test_an_expert_width_is_read_whichever_way_the_experts_are_stacked(tiny_model_dir, tmp_path):
+    """gpt-oss stores its down projections as [experts, width, hidden], transformers' other fused experts as
+    [experts, hidden, width]: the width is the dimension that is not the hidden size."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from model_support.core.bridge_linears import bridge_linears
+
+    source = tiny_model_dir("qwen3.5-moe")
+    config = transformers.AutoConfig.from_pretrained(source)
+    layout = QWEN3_5_MOE.layout(config)
+    tensors = load_file(str(source / "model.safetensors"))
+    stacked: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            stacked[name] = tensor
+        elif tail.startswith("0."):  # [experts, 2 x width, hidden] and [experts, width, hidden], as gpt-oss stores
+            per_expert = [f"{head}.mlp.experts.{e}" for e in range(layout.moe.num_experts)]
+            gate_up = [
+                torch.cat([tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"]]) for e in per_expert
+            ]
+            stacked[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+            stacked[f"{head}.mlp.experts.down_proj"] = torch.stack(
+                [tensors[f"{e}.down_proj.weight"].T for e in per_expert]
+            )
+    out = tmp_path / "stacked"
+    out.mkdir()
+    save_file(stacked, str(out / "model.safetensors"))
+    checkpoint = TextCheckpoint(out)
+    _, linears = bridge_linears(config, layout, checkpoint)
+    down = next(n for n in checkpoint.get_all_keys() if n.endswith("mlp.experts.down_proj"))
+    assert checkpoint.shape(down)[1:] == (layout.moe.expert_intermediate_size, text_config(config).hidden_size)
+    # The declared per-expert targets are found in the stacked tensors' names.
+    names = checkpoint.get_all_keys()
+    assert uncovered_targets(QWEN3_5_MOE, checkpoint_modules(names), names) == []
+    problems, details = checkpoint_size_problems(QWEN3_5_MOE, config, layout, linears, checkpoint)
+    assert problems == [] and details[0].startswith("MoE sizes match the checkpoint's tensor shapes: 4 experts")
+    narrow = replace(
+        QWEN3_5_MOE, config_fields=replace(QWEN3_5_MOE.config_fields, expert_intermediate_size="hidden_size")
+    )
+    problems, _ = checkpoint_size_problems(narrow, config, narrow.layout(config), linears, checkpoint)
+    assert problems[0].startswith("expert width: config hidden_size (config_fields.expert_intermediate_size) = 64,")
 
 
 @pytest.mark.parametrize(

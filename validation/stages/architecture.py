@@ -144,7 +144,7 @@ class ArchitectureStage(Stage):
         except CheckpointError:
             return "no weights next to the config: target names checked against transformers' modules only", None
         modules = checkpoint_modules(names)
-        missing = uncovered_targets(ctx.spec, modules)
+        missing = uncovered_targets(ctx.spec, modules, names)
         if not missing:
             return f"every declared target module is named in the checkpoint ({len(names)} tensors)", None
         scopes = dict.fromkeys(TargetScope(m.split(":", 1)[0]) for m in missing)
