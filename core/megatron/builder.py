@@ -57,7 +57,8 @@ class MegatronBuildError(ModelSupportError):
 
 
 class UnimplementedFeatureError(MegatronBuildError):
-    """The config asks for a feature (a sliding window, rope scaling) the built model does not implement."""
+    """The config or the checkpoint asks for a feature (a sliding window, rope scaling, a tensor such as attention
+    sinks) the built model does not implement."""
 
 
 # A grouped-GEMM expert weight's name (`weight*`: one tensor per expert) and the per-expert SequentialMLP name of the
@@ -342,7 +343,34 @@ def build_megatron_model(
         raise UnimplementedFeatureError("; ".join(ignored))
     built = MegatronModel(chunks, provider, model_bridge, checkpoint, parallel, numerics)
     _load_weights(built)
+    unread = _unread_tensors(built, mtp)
+    if unread:  # a checkpoint tensor no built parameter takes (attention sinks, a bias) changes what the model computes
+        raise UnimplementedFeatureError(
+            f"the built model reads {len(unread)} checkpoint tensor(s) into no parameter: {', '.join(unread[:3])}"
+            f"{' ...' if len(unread) > 3 else ''}; the layer spec builds no module the bridge maps them to"
+        )
     return built
+
+
+# Checkpoint tensors a model computes nothing from: rotary inverse frequencies some checkpoints keep (recomputed from
+# the config) and fp8 scales (read with their weights by the bridge's dequantising read).
+_DERIVED = re.compile(r"(\.rotary_emb\.inv_freq|_scale_inv)$")
+
+
+def _unread_tensors(built: MegatronModel, mtp: bool) -> list[str]:
+    """The checkpoint's text-model tensors no parameter of the build was filled from (a single-stage, single-expert-
+    rank build holds every layer and expert; MTP layers past the decoder count only where MTP is built)."""
+    if built.parallel.pipeline_parallel > 1 or built.parallel.expert_parallel > 1:
+        return []
+    read = {name for names in built.mapped.values() for name in names.split(", ")}
+    layers = built.provider.num_layers
+    return sorted(
+        name
+        for name in built.checkpoint
+        if name not in read
+        and not _DERIVED.search(name)
+        and (mtp or (layer := built.checkpoint.layer_of(name)) is None or layer < layers)
+    )
 
 
 _TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")

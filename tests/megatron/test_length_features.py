@@ -61,3 +61,28 @@ def test_a_build_refuses_a_window_or_rope_scaling_the_built_model_ignores(tiny_m
     sliding = dataclasses.replace(handler.spec, config_fields=ConfigFields(layer_kinds=kinds))
     with pytest.raises(UnimplementedFeatureError, match="sliding_window=16"):
         api.build_model(model_dir, handler=dataclasses.replace(handler, spec=sliding), config=windowed)
+
+
+def test_a_build_refuses_a_checkpoint_tensor_it_reads_into_no_parameter(tiny_model_dir, tmp_path):
+    """A checkpoint tensor no built parameter takes (gpt-oss's attention sinks where the layer spec builds none, a
+    bias the spec leaves out) changes what the checkpoint computes: the build names it instead of ignoring it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    require_megatron()
+    from model_support.core.megatron.builder import UnimplementedFeatureError
+
+    model_dir = shutil.copytree(tiny_model_dir("qwen3"), tmp_path / "sinks")
+    tensors = load_file(model_dir / "model.safetensors")
+    heads = transformers.AutoConfig.from_pretrained(model_dir).num_attention_heads
+    # Tensors a model computes nothing from are no problem: a rotary inverse-frequency buffer some checkpoints keep.
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    api.build_model(model_dir, handler=api.resolve(model_dir))
+    tensors["model.layers.1.self_attn.sinks"] = torch.zeros(heads)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    unread = r"reads 1 checkpoint tensor\(s\) into no parameter: model\.layers\.1\.self_attn\.sinks; the layer spec"
+    with pytest.raises(UnimplementedFeatureError, match=unread):
+        api.build_model(model_dir, handler=api.resolve(model_dir))
