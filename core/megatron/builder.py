@@ -522,6 +522,7 @@ def _load_weights(built: MegatronModel) -> None:
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
     AutoMapping.register_module_type("LocalRMSNorm", "replicated")
     AutoMapping.register_module_type("PostNormRowParallelLinear", "row")
+    AutoMapping.register_module_type("SDPAttention", "column")  # attention sinks: one per head
     registry = mapping_registry(built.bridge)
     registry.set_process_groups_from_pg_collection(built.provider._pg_collection)
 

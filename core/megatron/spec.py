@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.tensor_parallel import RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -84,6 +84,8 @@ class SDPAttention(MegatronModule):
     attention gives one key head per query head.
     ``window`` (a ModuleSpec param) makes it sliding-window attention: query ``i`` sees keys ``i - window + 1 .. i``
     (transformers' ``sliding_window``, transformer-engine's ``window_size=(window - 1, 0)``).
+    The config's ``softmax_type`` is megatron-core's: ``"learnable"`` gives each head a sink, ``softmax_offset``
+    (gpt-oss's ``sinks``), a logit that joins every query's softmax with no value; ``"off-by-one"`` a sink of 0.
     """
 
     def __init__(
@@ -102,6 +104,38 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"a sliding window must hold at least one key, got {window}")
         self.window = window
         self.rows: RowLayout | None = None  # a packed row's layout, set around a forward
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        if config.softmax_type == "vanilla":
+            self.softmax_offset: torch.Tensor | None = None
+        elif config.softmax_type == "learnable":  # this rank's heads' sinks (split by heads, as the bridge shards them)
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
+        else:
+            raise ValueError(f"softmax_type {config.softmax_type!r}: vanilla, off-by-one or learnable")
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """SDPA of [B, H, S, D] blocks, causal without ``visible`` (True = a query may see a key). With sinks, each
+        head's sink is one more key, scoring its ``softmax_offset`` against every query and carrying a zero value: an
+        extra query channel of 1 meets the sink key's channel of ``offset / scale`` (0 on the other keys)."""
+        if self.softmax_offset is None:
+            if visible is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
+        (batch, heads, sq, _), sk = q.shape, k.shape[2]
+        if visible is None:
+            visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        sink = (self.softmax_offset.to(k.dtype) / self.scale).reshape(1, heads, 1, 1).expand(batch, -1, 1, 1)
+        q = torch.cat([q, q.new_ones(batch, heads, sq, 1)], dim=-1)
+        k = torch.cat([torch.cat([k, k.new_zeros(batch, heads, sk, 1)], dim=-1), F.pad(sink, (k.shape[-1], 0))], dim=2)
+        v = torch.cat([v, v.new_zeros(batch, heads, 1, v.shape[-1])], dim=2)
+        visible = torch.cat(
+            [visible.expand(*visible.shape[:-2], sq, sk), visible.new_ones(*visible.shape[:-2], sq, 1)], -1
+        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
 
     def _mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """True where a query may not see a key: a later one, or one outside the sliding window."""
@@ -122,10 +156,9 @@ class SDPAttention(MegatronModule):
                 key_positions = torch.cat([positions[s] for s in keys])
                 sk, sv = (torch.cat([t[:, :, s] for s in keys], dim=2) for t in (k, v))
                 if self.window is None and segment is prompt:
-                    outs.append(F.scaled_dot_product_attention(q[:, :, span], sk, sv, is_causal=True, scale=self.scale))
+                    outs.append(self._attend(q[:, :, span], sk, sv))
                 else:
-                    mask = ~self._mask(positions[span], key_positions)
-                    outs.append(F.scaled_dot_product_attention(q[:, :, span], sk, sv, attn_mask=mask, scale=self.scale))
+                    outs.append(self._attend(q[:, :, span], sk, sv, ~self._mask(positions[span], key_positions)))
         return torch.cat(outs, dim=2)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
@@ -159,10 +192,7 @@ class SDPAttention(MegatronModule):
         if positions is not None:
             outside = self._mask(*positions)
             attention_mask = outside if attention_mask is None else attention_mask | outside
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.scale)
+        out = self._attend(q, k, v, None if attention_mask is None else ~attention_mask)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 

@@ -68,6 +68,52 @@ def test_sdpa_sliding_window_keeps_a_packed_rows_document_boundaries() -> None:
     torch.testing.assert_close(out, _reference_attention(q, k, v, allowed), rtol=1e-5, atol=1e-6)
 
 
+def test_sdpa_attention_sinks_are_gpt_oss_sinks_in_every_block_layout() -> None:
+    """softmax_type "learnable": each head's sink joins every query's softmax with no value, as transformers' gpt-oss
+    attention computes it, causal, windowed and over a packed row's documents; "off-by-one" is a sink of 0."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from model_support.core.megatron.spec import SDPAttention
+
+    seq, window = 9, 4
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(seq, 2, 4, 8, generator=gen)
+    k, v = torch.randn(seq, 2, 2, 8, generator=gen), torch.randn(seq, 2, 2, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    i = torch.arange(seq)
+    doc = (i >= 5).long()
+    causal = i[:, None] >= i[None, :]
+
+    def reference(allowed: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        module = SimpleNamespace(sinks=sink, num_key_value_groups=2, training=False)
+        mask = torch.zeros(seq, seq).masked_fill(~allowed, float("-inf"))[None, None]
+        out, _ = eager_attention_forward(
+            module, *(t.permute(1, 2, 0, 3) for t in (q, k, v)), mask, scaling=1 / math.sqrt(8), dropout=0.0
+        )
+        return out.transpose(0, 1).flatten(2)
+
+    for kw, allowed in (
+        ({}, causal),
+        ({"window": window}, causal & (i[:, None] - i[None, :] < window)),
+    ):
+        attn = SDPAttention(_transformer_config(softmax_type="learnable"), 1, None, "self", **kw)
+        with torch.no_grad():
+            attn.softmax_offset.copy_(sinks)
+        torch.testing.assert_close(attn(q, k, v, None), reference(allowed, sinks), rtol=1e-5, atol=1e-6)
+        packed = allowed & (doc[:, None] == doc[None, :])
+        out = attn(q, k, v, ~packed[None, None])
+        torch.testing.assert_close(out, reference(packed, sinks), rtol=1e-5, atol=1e-6)
+    # The sink takes probability mass: without it the outputs differ by far more than round-off.
+    plain = SDPAttention(_transformer_config(), 1, None, "self")
+    assert (plain(q, k, v, None) - reference(causal, sinks)).abs().max() > 1e-2
+    off_by_one = SDPAttention(_transformer_config(softmax_type="off-by-one"), 1, None, "self")
+    torch.testing.assert_close(off_by_one(q, k, v, None), reference(causal, torch.zeros(4)), rtol=1e-5, atol=1e-6)
+    # The sinks' gradient flows (a trainer may train them).
+    attn.softmax_offset.grad = None
+    attn(q, k, v, None).sum().backward()
+    assert attn.softmax_offset.grad is not None and attn.softmax_offset.grad.abs().sum() > 0
+
+
 def test_sdpa_rejects_an_empty_window() -> None:
     from model_support.core.megatron.spec import SDPAttention
 
