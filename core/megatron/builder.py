@@ -363,6 +363,8 @@ def _unread_tensors(built: MegatronModel, mtp: bool) -> list[str]:
     if built.parallel.pipeline_parallel > 1 or built.parallel.expert_parallel > 1:
         return []
     read = {name for names in built.mapped.values() for name in names.split(", ")}
+    if built.provider.share_embeddings_and_output_weights:  # a checkpoint may keep the tied head's copy
+        read.add("lm_head.weight")
     layers = built.provider.num_layers
     return sorted(
         name

@@ -51,7 +51,9 @@ def test_tiny_replica_gives_zero_initialised_persistent_buffers_values(deepseek_
 def test_sdp_attention_takes_the_parents_softmax_scale_and_shares_keys_only_across_fewer_key_heads() -> None:
     from model_support.core.megatron.spec import SDPAttention
 
-    config = SimpleNamespace(softmax_scale=None, kv_channels=16)
+    config = SimpleNamespace(
+        softmax_scale=None, kv_channels=16, softmax_type="vanilla", num_attention_heads=4, tensor_model_parallel_size=1
+    )
     q, k, v = (torch.randn(5, 2, 4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
 
     def expected(k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
