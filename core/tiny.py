@@ -302,18 +302,20 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0, spec: H
     config = transformers.AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    _randomize_zero_buffers(model, float(getattr(text_config(config), "initializer_range", 0.02)))
+    _randomize_zero_init(model, float(getattr(text_config(config), "initializer_range", 0.02)))
     model.save_pretrained(out_dir)
     return out_dir
 
 
-def _randomize_zero_buffers(model: Any, std: float) -> None:
-    """Give persistent floating-point buffers still at an all-zero init (e.g. a router's score-correction bias)
-    random values like the parameters', so a check can tell the checkpoint's value from one never loaded."""
+def _randomize_zero_init(model: Any, std: float) -> None:
+    """Give persistent floating-point buffers (a router's score-correction bias) and matrices (gpt-oss's stacked
+    expert biases) still at an all-zero init random values like the other parameters', so a check can tell the
+    checkpoint's value from one never loaded (and the weights stage, which refuses all-zero matrices, passes)."""
     import torch
 
     saved = model.state_dict(keep_vars=True).keys()
+    zero_matrices = ((name, p) for name, p in model.named_parameters() if p.dim() >= 2)
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in saved and buffer.is_floating_point() and not buffer.any():
-                buffer.normal_(0.0, std)
+        for name, tensor in (*model.named_buffers(), *zero_matrices):
+            if name in saved and tensor.is_floating_point() and not tensor.any():
+                tensor.normal_(0.0, std)
