@@ -189,7 +189,10 @@ def export_adapter(model: TrainingModel, out_dir: str | Path) -> Path:
     peft = model.spec.codec.to_peft(lora_state(model.chunks), model.config, model.layout)
     out = Path(out_dir)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        save_peft_adapter(out, peft, rank=first.rank, alpha=first.alpha, base_model=str(model.model_dir))
+        stacked = getattr(model.spec.codec, "target_parameters", lambda _config: ())(model.config)
+        save_peft_adapter(
+            out, peft, rank=first.rank, alpha=first.alpha, base_model=str(model.model_dir), target_parameters=stacked
+        )
     if dist.is_initialized():
         dist.barrier()
     return out

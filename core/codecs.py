@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -66,6 +66,12 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 # (role in the mapping's ``hf_param``, fused rows of that HF tensor); role "" for a mapping with one HF tensor.
 _RowSplit = list[tuple[str, torch.Tensor]]
+# A stacked expert tensor (gpt-oss's ``experts.gate_up_proj`` [experts, in, out]) under the decoder layers.
+_STACKED = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<path>.+\.experts)\.(?P<param>\w+)$")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+# PEFT's key of a stacked parameter's LoRA (``target_parameters``): parameters wrap one another in the order the
+# module registers them, the first innermost (``experts.base_layer.lora_A`` for gpt-oss's gate_up_proj).
+PEFT_STACKED = re.compile(r"^(?P<module>.+\.experts)(?P<nest>(?:\.base_layer)*)\.lora_(?P<which>[AB])\.weight$")
 
 
 class _OneRank:
@@ -99,6 +105,9 @@ class _Family:
     registry: Any  # MegatronMappingRegistry of the decoder layers' ``*.weight`` mappings
     module: SimpleNamespace  # what a mapping gets as the Megatron module
     layers_prefix: str  # the checkpoint's prefix of the decoder layers (PEFT names)
+    # Stacked expert tensors the bridge maps LoRA linears to (gpt-oss: gate_up_proj, down_proj), in the order the
+    # transformers experts module registers them.
+    stacked_params: tuple[str, ...] = ()
     splits: dict[tuple[str, int, int], _RowSplit] = field(default_factory=dict)
 
     @classmethod
@@ -131,7 +140,7 @@ class _Family:
         # Hand-written: no live Megatron module exists here. The provider carries the sizes the mappings read, and
         # a canonical tensor is not tensor-parallel (AutoMapping then takes its replicated, pass-through delegate).
         module = SimpleNamespace(config=provider, tensor_model_parallel=False)
-        return cls(codec, registry, module, hf_layers_prefix(config))
+        return cls(codec, registry, module, hf_layers_prefix(config), _stacked_params(config, weights))
 
     def lookup(self, megatron_module: str) -> Any:
         """The mapping of ``<megatron_module>.weight`` (resolved for its layer / expert)."""
@@ -160,6 +169,28 @@ class _Family:
             )
         return self.layers_prefix + hf_name[len(_HF_LAYERS) : -len(_WEIGHT)]
 
+    def stacked(self, mapping: Any, role: str) -> tuple[str, str] | None:
+        """(PEFT module of the experts, parameter) where the mapping's HF tensor ``role`` is a stacked expert tensor."""
+        match = _STACKED.match(_hf_params(mapping)[role])
+        if match is None:
+            return None
+        return f"{self.layers_prefix}{match['layer']}.{match['path']}", match["param"]
+
+    def nesting(self, param: str) -> str:
+        """PEFT's wrapper path of a stacked parameter's LoRA below the experts module (``.base_layer`` per
+        parameter registered after it)."""
+        return ".base_layer" * (len(self.stacked_params) - 1 - self.stacked_params.index(param))
+
+    def expert_module(self, layer: int, path: str, param: str, expert: int) -> tuple[str, Any]:
+        """The Megatron LoRA module (and its mapping) of one expert's slice of the stacked tensor ``param``."""
+        hf_name = f"{_HF_LAYERS}{layer}.{path[len(self.layers_prefix) :].split('.', 1)[1]}.{param}"
+        for linear in ("linear_fc1", "linear_fc2"):
+            module = f"{_DECODER}{layer}.mlp.experts.local_experts.{expert}.{linear}"
+            mapping = self.registry.megatron_to_hf_lookup(module + _WEIGHT)
+            if mapping is not None and _hf_params(mapping).get("") == hf_name:
+                return module, mapping
+        raise CodecError(f"{self.codec} codec: no Megatron expert module for {hf_name} (expert {expert})")
+
     def split(self, mapping: Any, rows: int, cols: int) -> _RowSplit:
         """How the mapping splits a fused [rows, cols] weight: the fused rows of each HF tensor, in role order."""
         key = (_INDEX.sub("*", mapping.megatron_param), rows, cols)
@@ -183,13 +214,19 @@ class _Family:
         roles = {name: role for role, name in _hf_params(mapping).items()}
         found: dict[str, torch.Tensor] = {}
         for name, part in parts.items():
-            whole_rows = part.ndim == 2 and part.shape[1] == cols and part.dtype == probe.dtype
-            if name not in roles or not whole_rows or not torch.equal(part[:, 0], part[:, -1]):
+            rows_of = None
+            if name in roles and part.ndim == 2 and part.dtype == probe.dtype:
+                if part.shape[1] == cols and torch.equal(part[:, 0], part[:, -1]):
+                    rows_of = part[:, 0]
+                # A stacked expert tensor holds each expert's weight as [in, out]: the fused rows are its columns.
+                elif _STACKED.match(name) and part.shape[0] == cols and torch.equal(part[0], part[-1]):
+                    rows_of = part[0]
+            if rows_of is None:
                 raise CodecError(
                     f"{module}: megatron-bridge's {kind} does more than select rows of the fused weight "
                     f"(it returns {name} {tuple(part.shape)}), so a LoRA B cannot be split with it"
                 )
-            found[roles[name]] = part[:, 0].long()
+            found[roles[name]] = rows_of.long()
         used = torch.cat(list(found.values())).sort().values if found else torch.empty(0, dtype=torch.long)
         if set(found) != set(order) or not torch.equal(used, torch.arange(rows)):
             raise CodecError(
@@ -197,6 +234,22 @@ class _Family:
                 "HF tensor (unchanged), so a LoRA B cannot be split with it"
             )
         return [(role, found[role]) for role in order]
+
+
+def _stacked_params(config: Any, mappings: list[Any]) -> tuple[str, ...]:
+    """The stacked expert tensors ``mappings`` read, in the order the transformers experts module registers them."""
+    names = {
+        match["param"]
+        for mapping in mappings
+        for name in _hf_params(mapping).values()
+        if (match := _STACKED.match(name.replace("*", "0")))
+    }
+    if not names:
+        return ()
+    from model_support.core.validate import build_meta_model
+
+    experts = next(m for n, m in build_meta_model(config).named_modules() if n.endswith(".experts"))
+    return tuple(n for n, _ in experts.named_parameters(recurse=False) if n in names)
 
 
 class BridgeLoraCodec:
@@ -217,6 +270,17 @@ class BridgeLoraCodec:
             self._families[key] = _Family.of(config, self.name)
         return self._families[key]
 
+    def target_parameters(self, config: Any) -> tuple[str, ...]:
+        """PEFT's ``target_parameters`` of the family's stacked expert tensors (``mlp.experts.gate_up_proj``)."""
+        family = self._family(config)
+        experts = next(
+            (m for m in family.registry.mappings if _STACKED.match(_hf_params(m).get("", "").replace("*", "0"))), None
+        )
+        if experts is None:
+            return ()
+        path = _STACKED.match(_hf_params(experts)[""].replace("*", "0"))["path"]  # type: ignore[index]
+        return tuple(f"{path}.{param}" for param in family.stacked_params)
+
     def to_peft(self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout) -> dict[str, torch.Tensor]:
         """Megatron LoRA tensors (canonical layout) -> PEFT tensors named after the HF modules."""
         family = self._family(config)
@@ -230,16 +294,65 @@ class BridgeLoraCodec:
                 raise CodecError(f"{key!r}: layer {layer} but the model has {layout.num_layers}")
             pairs.setdefault(f"{_DECODER}{layer}.{path}", {})[which] = value
         out: dict[str, torch.Tensor] = {}
+        stacked: dict[tuple[str, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, pair in pairs.items():
             if set(pair) != {"A", "B"}:
                 raise CodecError(f"{module}: needs both lora_A and lora_B")
             lora_a, lora_b = pair["A"], pair["B"]
             mapping = family.lookup(module)
             for role, rows in family.split(mapping, lora_b.shape[0], lora_a.shape[1]):
-                where = PEFT_PREFIX + family.peft_module(mapping, role)
-                out[f"{where}.lora_A.weight"] = lora_a.clone()
-                out[f"{where}.lora_B.weight"] = lora_b[rows].clone()
+                where = family.stacked(mapping, role)
+                if where is not None:  # one expert's slice of a stacked tensor: written with the others below
+                    expert = int(_LOCAL_EXPERT.search(module).group(1))  # type: ignore[union-attr]
+                    stacked.setdefault(where, {})[expert] = (lora_a, lora_b[rows])
+                    continue
+                name = PEFT_PREFIX + family.peft_module(mapping, role)
+                out[f"{name}.lora_A.weight"] = lora_a.clone()
+                out[f"{name}.lora_B.weight"] = lora_b[rows].clone()
+        for (experts_module, param), by_expert in stacked.items():
+            count = layout.moe.num_experts if layout.moe else 0
+            if sorted(by_expert) != list(range(count)):
+                raise CodecError(f"{experts_module}.{param}: LoRA of experts {sorted(by_expert)}, not of all {count}")
+            # PEFT's stacked-parameter LoRA: A [r * E, in] expert by expert; B [out, r * E] with expert e's rank k in
+            # column k * E + e.
+            lora_a = torch.cat([by_expert[e][0] for e in range(count)])
+            lora_b = torch.stack([by_expert[e][1] for e in range(count)], dim=-1).flatten(1)
+            name = PEFT_PREFIX + experts_module + family.nesting(param)
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = lora_a, lora_b
         return out
+
+    @staticmethod
+    def _from_stacked(
+        family: _Family, tensors: Mapping[str, torch.Tensor], layout: ModelLayout
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the other PEFT tensors, the Megatron LoRA of each expert of the stacked parameters' LoRA in ``tensors``)."""
+        rest, out = {}, {}
+        count = layout.moe.num_experts if layout.moe else 0
+        for key, value in tensors.items():
+            match = _stacked_peft(key, family)
+            if match is None:
+                rest[key] = value
+                continue
+            if match["which"] == "B":
+                continue  # read with its A
+            depth = match["nest"].count(".base_layer")
+            param = family.stacked_params[len(family.stacked_params) - 1 - depth]
+            lora_a, lora_b = value, tensors[key[: -len("A.weight")] + "B.weight"]
+            if count == 0 or lora_a.shape[0] % count or lora_b.shape[1] != lora_a.shape[0]:
+                raise CodecError(
+                    f"{key}: {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} is no LoRA of {count} experts"
+                )
+            rank = lora_a.shape[0] // count
+            layer = int(match["module"][len(family.layers_prefix) :].split(".", 1)[0])
+            for expert in range(count):
+                module, mapping = family.expert_module(layer, match["module"], param, expert)
+                b = lora_b.reshape(lora_b.shape[0], rank, count)[:, :, expert]
+                ((_, rows),) = family.split(mapping, b.shape[0], lora_a.shape[1])
+                fused = b.new_empty(b.shape)
+                fused[rows] = b
+                out[f"{module}.lora_A.weight"] = lora_a[expert * rank : (expert + 1) * rank].clone()
+                out[f"{module}.lora_B.weight"] = fused
+        return rest, out
 
     def from_peft(
         self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout
@@ -247,6 +360,7 @@ class BridgeLoraCodec:
         """PEFT tensors -> Megatron LoRA tensors (canonical layout); the exact inverse of :meth:`to_peft`."""
         family = self._family(config)
         peft_key = re.compile(rf"^{re.escape(PEFT_PREFIX + family.layers_prefix)}(\d+\..+)\.lora_([AB])\.weight$")
+        tensors, out = self._from_stacked(family, tensors, layout)
         grouped: dict[str, tuple[Any, dict[str, dict[str, torch.Tensor]]]] = {}
         for key, value in tensors.items():
             match = peft_key.match(key)
@@ -258,7 +372,6 @@ class BridgeLoraCodec:
             if _layer_of(module) >= layout.num_layers:
                 raise CodecError(f"{key!r}: layer {_layer_of(module)} but the model has {layout.num_layers}")
             grouped.setdefault(module, (mapping, {}))[1].setdefault(role, {})[which] = value
-        out: dict[str, torch.Tensor] = {}
         for module, (mapping, by_role) in grouped.items():
             names = {role: family.peft_module(mapping, role) for role in _hf_params(mapping)}
             if set(by_role) != set(names) or any(set(pair) != {"A", "B"} for pair in by_role.values()):
@@ -288,6 +401,25 @@ class BridgeLoraCodec:
         return out
 
 
+def stacked_target(key: str, target_parameters: Sequence[str]) -> tuple[str, str] | None:
+    """(the stacked tensor's name, ``"A"`` or ``"B"``) that a PEFT key of a stacked parameter's LoRA addresses (e.g.
+    ``...mlp.experts.base_layer.lora_A.weight`` -> ``...mlp.experts.gate_up_proj``); None for any other key.
+    ``target_parameters``: the adapter's, in the order the experts module registers them (the exporter writes them
+    so), which is how PEFT nests their wrappers."""
+    match = PEFT_STACKED.match(key) if target_parameters else None
+    if match is None:
+        return None
+    params = [name.rsplit(".", 1)[-1] for name in target_parameters]
+    return f"{match['module']}.{params[len(params) - 1 - match['nest'].count('.base_layer')]}", match["which"]
+
+
+def _stacked_peft(key: str, family: _Family) -> re.Match[str] | None:
+    """The match of a PEFT key of a stacked parameter's LoRA (``...experts.base_layer.lora_A.weight``)."""
+    if not family.stacked_params or not key.startswith(PEFT_PREFIX):
+        return None
+    return PEFT_STACKED.match(key[len(PEFT_PREFIX) :])
+
+
 def save_peft_adapter(
     out_dir: Path,
     tensors: Mapping[str, torch.Tensor],
@@ -295,6 +427,7 @@ def save_peft_adapter(
     rank: int,
     alpha: float,
     base_model: str = "",
+    target_parameters: tuple[str, ...] = (),
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's on-disk LoRA format).
 
@@ -314,9 +447,13 @@ def save_peft_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "target_modules": sorted({key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in tensors}),
+        "target_modules": sorted(
+            {key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in tensors if not PEFT_STACKED.match(key)}
+        ),
         "modules_to_save": None,
     }
+    if target_parameters:  # stacked expert tensors, in the order their module registers them (PEFT nests them so)
+        config["target_parameters"] = list(target_parameters)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS))
     return out_dir

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ModelSupportError
@@ -71,6 +71,22 @@ def uncovered_targets(spec: HandlerSpec, module_names: Iterable[str], tensor_nam
     checkpoint's or an adapter's tensor names) addresses, nor (experts) a stacked tensor of ``tensor_names``."""
     modules, tensors = set(module_names), set(tensor_names)
     return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, tensors)]
+
+
+def adapter_targets(adapter_config: Mapping[str, Any], tensor_names: Iterable[str]) -> tuple[set[str], set[str]]:
+    """(module paths, stacked tensor names) a PEFT adapter's tensors address: a stacked parameter's LoRA
+    (``target_parameters``: ``...experts.base_layer.lora_A.weight``) addresses the tensor it wraps."""
+    from model_support.core.codecs import stacked_target
+
+    stacked = adapter_config.get("target_parameters") or ()
+    modules, tensors = set(), set()
+    for name in tensor_names:
+        target = stacked_target(name, stacked)
+        if target:
+            tensors.add(target[0])
+        else:
+            modules |= checkpoint_modules([name])
+    return modules, tensors
 
 
 def modules_under(scope: TargetScope, module_names: Iterable[str]) -> list[str]:

@@ -54,15 +54,47 @@ class LoraDelta:
         return self.scale * (self.lora_b.to(device, torch.float32) @ self.lora_a.to(device, torch.float32))
 
 
+@dataclass(frozen=True)
+class StackedLoraDelta(LoraDelta):
+    """The LoRA of a stacked expert tensor [E, in, out] in PEFT's ``target_parameters`` layout: A [r * E, in] expert
+    by expert, B [out, r * E] with expert e's rank k in column k * E + e; expert e's merge is ``scale * (B_e A_e)^T``.
+    """
+
+    experts: int = 1
+    peft_module: str = ""  # the PEFT key of its factors, less ``.lora_A.weight``
+
+    def factors(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rank = self.lora_a.shape[0] // self.experts
+        b = self.lora_b.reshape(self.lora_b.shape[0], rank, self.experts)[:, :, expert]
+        return self.lora_a[expert * rank : (expert + 1) * rank], b
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        parts = [
+            (b.to(device, torch.float32) @ a.to(device, torch.float32)).T
+            for a, b in map(self.factors, range(self.experts))
+        ]
+        return self.scale * torch.stack(parts)
+
+
 def adapter_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
     """The PEFT adapter in ``adapter_dir`` as merges, keyed by the checkpoint tensor each one changes."""
+    from model_support.core.codecs import stacked_target
+
     config, tensors = load_peft_adapter(adapter_dir)
     scale = float(config["lora_alpha"]) / int(config["r"])
-    deltas = {}
+    stacked = config.get("target_parameters") or ()
+    deltas: dict[str, LoraDelta] = {}
     for key, lora_a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
-            deltas[f"{module}.weight"] = LoraDelta(lora_a, tensors[key.replace(".lora_A.", ".lora_B.")], scale)
+        if not key.endswith(".lora_A.weight"):
+            continue
+        lora_b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        target = stacked_target(key, stacked)
+        if target:
+            name = target[0][len(PEFT_PREFIX) :]
+            experts = lora_a.shape[0] // int(config["r"])
+            deltas[name] = StackedLoraDelta(lora_a, lora_b, scale, experts, key.removesuffix(".lora_A.weight"))
+        else:
+            deltas[f"{key[len(PEFT_PREFIX) : -len('.lora_A.weight')]}.weight"] = LoraDelta(lora_a, lora_b, scale)
     return deltas
 
 

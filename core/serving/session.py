@@ -27,7 +27,7 @@ from model_support.core.serving.backend import Server, ServingBackend, get_backe
 from model_support.core.serving.export import base_tensors, buckets
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.serving.vllm_backend import ServeOptions
-from model_support.core.validate import TargetCoverageError, checkpoint_modules, uncovered_targets
+from model_support.core.validate import TargetCoverageError, adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
 
 MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (core.megatron.session.ADAPTER_KEY)
@@ -132,8 +132,8 @@ def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
             load_lora_state(model.module, random_lora_state(model.module, seed=seed, b_std=0.05))
             ctx.artifacts[ADAPTER_KEY] = api.export_adapter(model, serving_workdir(ctx) / "random-adapter")
         adapter, origin = ctx.artifacts[ADAPTER_KEY], f"random Megatron LoRA exported through the API (seed {seed})"
-    _, tensors = load_peft_adapter(adapter)
-    uncovered = uncovered_targets(ctx.spec, checkpoint_modules(tensors))
+    adapter_config, tensors = load_peft_adapter(adapter)
+    uncovered = uncovered_targets(ctx.spec, *adapter_targets(adapter_config, tensors))
     if uncovered:
         raise TargetCoverageError(
             f"the policy adapter ({origin}) covers no module for {', '.join(uncovered)}: the checkpoint does not "

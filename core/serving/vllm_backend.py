@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from model_support.core.codecs import ADAPTER_CONFIG
 from model_support.core.serving.errors import RuntimeMissingError, ServerError
 from model_support.core.serving.process import ManagedProcess
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
@@ -135,7 +136,12 @@ class VllmServer:
         return [m["id"] for m in self.request("/v1/models")["data"]]
 
     def load_lora(self, name: str, path: Path) -> None:
-        self.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        # LoRA on stacked expert tensors (PEFT's target_parameters, gpt-oss's experts) is vLLM's "3D" MoE format,
+        # which its 2-D MoE LoRA wrapper (--enable-mixed-moe-lora-format) converts when the request says so.
+        if json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("target_parameters"):
+            body["is_3d_lora_weight"] = True
+        self.request("/v1/load_lora_adapter", body)
 
     def unload_lora(self, name: str) -> None:
         self.request("/v1/unload_lora_adapter", {"lora_name": name})

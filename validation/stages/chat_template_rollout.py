@@ -10,6 +10,8 @@ so the ids a trainer receives are the ids the policy sampled.
 
 from __future__ import annotations
 
+import re
+
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
@@ -21,6 +23,10 @@ CONVERSATION = [
     {"role": "assistant", "content": "yes"},
     {"role": "user", "content": "Is fire cold?"},
 ]
+
+
+# vLLM's answer to a prompt token its model's vocabulary lacks.
+_OUT_OF_VOCABULARY = re.compile(r"Token id (\d+) is out of vocabulary")
 
 
 def _ids(rendered) -> list[int]:
@@ -55,6 +61,15 @@ class ChatTemplateRolloutStage(Stage):
             detokenized = server.request("/detokenize", {"model": server.served_name, "tokens": completion})["prompt"]
             rescored = server.completion(prompt_ids + completion, max_tokens=1, temperature=0.0, prompt_logprobs=0)
         except ServingError as exc:
+            beyond = _OUT_OF_VOCABULARY.search(str(exc))
+            if beyond and int(beyond[1]) >= len(tokenizer):
+                # vLLM renders gpt-oss chats with its own Harmony encoding, whatever the tokenizer's template says.
+                arch = (getattr(ctx.config, "architectures", None) or ["the model"])[0]
+                return self.skipped(
+                    f"vLLM renders {arch} chats with an encoding of its own, not the tokenizer's chat template, whose "
+                    f"token id {beyond[1]} lies past this checkpoint's {len(tokenizer)} tokens (a tiny replica's "
+                    f"tokenizer) ({exc})"
+                )
             return cannot_serve(self, ctx, exc)
         generated_lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float64)
         rescored_lp = session.served_prompt_logprobs(rescored, prompt_ids + completion)[len(prompt_ids) - 1 :]

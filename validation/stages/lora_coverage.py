@@ -12,7 +12,7 @@ from model_support.core.layout import ModelLayout
 # LOGIT_TOLERANCES and LOWP_TOLERANCE_FACTOR are re-exported so docs/stages.md lists them for this stage.
 from model_support.core.megatron.compare import EFFECT_FLOOR, LOGIT_TOLERANCES, LOWP_TOLERANCE_FACTOR
 from model_support.core.spec import HandlerSpec, TargetScope
-from model_support.core.validate import checkpoint_modules, uncovered_targets
+from model_support.core.validate import adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
@@ -130,8 +130,8 @@ class LoraCoverageStage(Stage):
         # The trainer's path: export through the API (the handler's codec), then load the file back into the model.
         adapter_dir = api.export_adapter(training_model(ctx), ctx.workdir / "megatron-lora-adapter")
         ctx.artifacts[ADAPTER_KEY] = adapter_dir
-        _, on_disk = load_peft_adapter(adapter_dir)
-        uncovered = uncovered_targets(spec, checkpoint_modules(on_disk))
+        adapter_config, on_disk = load_peft_adapter(adapter_dir)
+        uncovered = uncovered_targets(spec, *adapter_targets(adapter_config, on_disk))
         if uncovered:
             details.append(f"the exported adapter has no module for {', '.join(uncovered)}")
         load_lora_state(model, {k: torch.zeros_like(v) for k, v in state.items()})
@@ -288,7 +288,7 @@ class LoraCoverageStage(Stage):
 
         One decoder layer at a time, so no second copy of the model is held.
         """
-        from model_support.core.codecs import PEFT_PREFIX, hf_layers_prefix
+        from model_support.core.codecs import PEFT_PREFIX, hf_layers_prefix, stacked_target
 
         by_layer: dict[str, dict[str, torch.Tensor]] = {}
         for name, param in built.model.named_parameters():
@@ -300,13 +300,23 @@ class LoraCoverageStage(Stage):
                 fake[f"{module}.lora_A.weight"] = torch.zeros(1, param.shape[1])
         worst = 0.0
         prefix = PEFT_PREFIX + hf_layers_prefix(ctx.config)
+        stacked = getattr(ctx.spec.codec, "target_parameters", lambda _config: ())(ctx.config)
+        experts = ctx.layout.moe.num_experts if ctx.layout.moe else 0
         for fake in by_layer.values():
             for key, value in ctx.spec.codec.to_peft(fake, ctx.config, ctx.layout).items():
-                if key.endswith(".lora_B.weight"):
+                target = stacked_target(key, stacked)
+                if target and target[1] == "B":
+                    # B of the stacked LoRA [out, in * E] (the base weight as B, rank = in): the checkpoint's
+                    # [E, in, out].
+                    hf_name = "model.layers." + target[0][len(prefix) :]
+                    value = value.reshape(value.shape[0], -1, experts).permute(2, 1, 0)
+                elif key.endswith(".lora_B.weight") and not target:
                     hf_name = "model.layers." + key[len(prefix) : -len(".lora_B.weight")] + ".weight"
-                    # The model holds the checkpoint's values in its own dtype: compare in that dtype (exact).
-                    expected = built.checkpoint[hf_name].to(value.device, value.dtype)
-                    worst = max(worst, (expected.float() - value.float()).abs().max().item())
+                else:
+                    continue
+                # The model holds the checkpoint's values in its own dtype: compare in that dtype (exact).
+                expected = built.checkpoint[hf_name].to(value.device, value.dtype)
+                worst = max(worst, (expected.float() - value.float()).abs().max().item())
         return worst
 
 

@@ -55,10 +55,18 @@ def factor_gradients(weight_grads: dict[str, torch.Tensor], deltas: dict[str, Lo
     """PEFT-named gradients of each adapter module's factors, from the gradient ``G`` of the checkpoint tensor it is
     merged into: ``W' = W + s B A`` gives ``dL/dA = s B^T G`` and ``dL/dB = s G A^T`` (float64, on the CPU)."""
     from model_support.core.codecs import PEFT_PREFIX
+    from model_support.core.megatron.hf_reference import StackedLoraDelta
 
     out = {}
     for key, delta in deltas.items():
         grad = weight_grads[key].detach().double().cpu()
+        if isinstance(delta, StackedLoraDelta):  # expert e's [in, out] slice holds (s B_e A_e)^T: transposed G_e
+            factors = [(a.double().cpu(), b.double().cpu()) for a, b in map(delta.factors, range(delta.experts))]
+            grads_a = [delta.scale * b.T @ grad[e].T for e, (_, b) in enumerate(factors)]
+            grads_b = [delta.scale * grad[e].T @ a.T for e, (a, _) in enumerate(factors)]
+            out[f"{delta.peft_module}.lora_A.weight"] = torch.cat(grads_a)
+            out[f"{delta.peft_module}.lora_B.weight"] = torch.stack(grads_b, dim=-1).flatten(1)
+            continue
         a, b = delta.lora_a.double().cpu(), delta.lora_b.double().cpu()
         module = PEFT_PREFIX + key.removesuffix(".weight")
         out[f"{module}.lora_A.weight"] = delta.scale * b.T @ grad
@@ -73,8 +81,16 @@ def megatron_gradients(
     module's one A is shared by the HF modules it covers, so its gradient is the sum of theirs; its B's rows are
     theirs, so its gradient is the codec's assembly of their B gradients (``from_peft``). ``state``: the Megatron
     adapter, whose modules ``to_peft`` maps to the HF modules they cover."""
+    from model_support.core.codecs import PEFT_STACKED
+
     codec, out = ctx.spec.codec, {}
+    # Stacked experts' LoRA has one A and one B per expert: their gradients convert as they are.
+    stacked = {key: grad for key, grad in peft.items() if PEFT_STACKED.match(key)}
+    if stacked:
+        out |= codec.from_peft(stacked, ctx.config, ctx.layout)
     for module in sorted({key.rsplit(".lora_", 1)[0] for key in state}):
+        if f"{module}.lora_A.weight" in out:
+            continue
         factors = {f"{module}.lora_{w}.weight": state[f"{module}.lora_{w}.weight"] for w in "AB"}
         covered = codec.to_peft(factors, ctx.config, ctx.layout)
         a_keys = [key for key in covered if key.endswith(".lora_A.weight")]

@@ -11,6 +11,7 @@ from model_support.core.spec import (
     DependencyFloor,
     HandlerSpec,
     LoraTarget,
+    RuntimePolicy,
     TargetScope,
     Topology,
     VllmLora,
@@ -39,6 +40,13 @@ GPT_OSS = HandlerSpec(
         DependencyFloor("transformers", "5.8", "the oldest release model-support tests"),
         DependencyFloor("megatron-core", "0.19.2", "local-spec GPTModel the bridge targets", extra="megatron"),
         DependencyFloor("megatron-bridge", "0.6.2", "GPTOSSBridge weight mappings", extra="megatron"),
+    ),
+    runtime=RuntimePolicy(
+        # Found by parallel_parity (etp2 did not run).
+        parallel_limits={
+            "expert_tensor_parallel": "megatron-core 0.19.2 asserts 'Bias in Moe is only supported when ETP==1' "
+            "(gpt-oss's experts have biases)"
+        },
     ),
     reference_config=REFERENCE_CONFIG,
     config_fields=ConfigFields(
