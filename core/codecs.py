@@ -17,6 +17,12 @@ its row index. Each HF tensor the mapping returns then lists the fused rows it i
 back as a partition of the rows (every row in exactly one HF tensor, whole and unchanged); a mapping that does
 anything else is not a row split, and the codec refuses the module instead of guessing.
 
+A mapping that stores each expert's rows as the columns of one stacked tensor (gpt-oss's ``experts.gate_up_proj``
+[experts, in, out]) is split the same way; the experts' LoRA of such a tensor is written in PEFT's
+``target_parameters`` layout: one A [r * experts, in] expert by expert, one B [out, r * experts] with expert e's
+rank k in column k * experts + e, under ``<experts module>(.base_layer)*`` (PEFT nests the parameters' wrappers
+in the order the module registers them, the first innermost).
+
 ``lora_B`` has the row structure of the base weight, so an HF module's B is ``lora_B[rows]``; the ``lora_A`` of
 a fused module is shared, so :meth:`BridgeLoraCodec.to_peft` writes the same A for each HF module and
 :meth:`BridgeLoraCodec.from_peft` refuses A that differ (they cannot be represented exactly in the fused layout).
