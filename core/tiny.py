@@ -302,12 +302,12 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0, spec: H
     config = transformers.AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    _randomize_zero_init(model, float(getattr(text_config(config), "initializer_range", 0.02)))
+    randomize_zero_init(model, float(getattr(text_config(config), "initializer_range", 0.02)))
     model.save_pretrained(out_dir)
     return out_dir
 
 
-def _randomize_zero_init(model: Any, std: float) -> None:
+def randomize_zero_init(model: Any, std: float) -> None:
     """Give persistent floating-point buffers (a router's score-correction bias) and matrices (gpt-oss's stacked
     expert biases) still at an all-zero init random values like the other parameters', so a check can tell the
     checkpoint's value from one never loaded (and the weights stage, which refuses all-zero matrices, passes)."""
