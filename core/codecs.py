@@ -111,8 +111,8 @@ class _Family:
     registry: Any  # MegatronMappingRegistry of the decoder layers' ``*.weight`` mappings
     module: SimpleNamespace  # what a mapping gets as the Megatron module
     layers_prefix: str  # the checkpoint's prefix of the decoder layers (PEFT names)
-    # Stacked expert tensors the bridge maps LoRA linears to (gpt-oss: gate_up_proj, down_proj), in the order the
-    # transformers experts module registers them.
+    # PEFT's target_parameters of the stacked expert tensors the bridge maps LoRA linears to (gpt-oss:
+    # mlp.experts.gate_up_proj, mlp.experts.down_proj), in the order the transformers experts module registers them.
     stacked_params: tuple[str, ...] = ()
     splits: dict[tuple[str, int, int], _RowSplit] = field(default_factory=dict)
 
@@ -175,21 +175,19 @@ class _Family:
             )
         return self.layers_prefix + hf_name[len(_HF_LAYERS) : -len(_WEIGHT)]
 
-    def stacked(self, mapping: Any, role: str) -> tuple[str, str] | None:
-        """(PEFT module of the experts, parameter) where the mapping's HF tensor ``role`` is a stacked expert tensor."""
+    def stacked(self, mapping: Any, role: str) -> str | None:
+        """PEFT's module of the LoRA of the stacked expert tensor that is the mapping's HF tensor ``role`` (the
+        experts module, ``.base_layer`` once per parameter registered after it), or None."""
         match = _STACKED.match(_hf_params(mapping)[role])
         if match is None:
             return None
-        return f"{self.layers_prefix}{match['layer']}.{match['path']}", match["param"]
+        after = len(self.stacked_params) - 1 - self.stacked_params.index(f"{match['path']}.{match['param']}")
+        return f"{self.layers_prefix}{match['layer']}.{match['path']}" + ".base_layer" * after
 
-    def nesting(self, param: str) -> str:
-        """PEFT's wrapper path of a stacked parameter's LoRA below the experts module (``.base_layer`` per
-        parameter registered after it)."""
-        return ".base_layer" * (len(self.stacked_params) - 1 - self.stacked_params.index(param))
-
-    def expert_module(self, layer: int, path: str, param: str, expert: int) -> tuple[str, Any]:
-        """The Megatron LoRA module (and its mapping) of one expert's slice of the stacked tensor ``param``."""
-        hf_name = f"{_HF_LAYERS}{layer}.{path[len(self.layers_prefix) :].split('.', 1)[1]}.{param}"
+    def expert_module(self, stacked_tensor: str, expert: int) -> tuple[str, Any]:
+        """The Megatron LoRA module (and its mapping) of one expert's slice of a stacked tensor (its PEFT name)."""
+        hf_name = _HF_LAYERS + stacked_tensor[len(PEFT_PREFIX + self.layers_prefix) :]
+        layer = hf_name[len(_HF_LAYERS) :].split(".", 1)[0]
         for linear in ("linear_fc1", "linear_fc2"):
             module = f"{_DECODER}{layer}.mlp.experts.local_experts.{expert}.{linear}"
             mapping = self.registry.megatron_to_hf_lookup(module + _WEIGHT)
@@ -243,9 +241,10 @@ class _Family:
 
 
 def _stacked_params(config: Any, mappings: list[Any]) -> tuple[str, ...]:
-    """The stacked expert tensors ``mappings`` read, in the order the transformers experts module registers them."""
+    """PEFT's target_parameters (``mlp.experts.gate_up_proj``) of the stacked expert tensors ``mappings`` read, in
+    the order the transformers experts module registers them (the order PEFT nests their wrappers in)."""
     names = {
-        match["param"]
+        f"{match['path']}.{match['param']}"
         for mapping in mappings
         for name in _hf_params(mapping).values()
         if (match := _STACKED.match(name.replace("*", "0")))
@@ -254,8 +253,22 @@ def _stacked_params(config: Any, mappings: list[Any]) -> tuple[str, ...]:
         return ()
     from model_support.core.validate import build_meta_model
 
-    experts = next(m for n, m in build_meta_model(config).named_modules() if n.endswith(".experts"))
-    return tuple(n for n, _ in experts.named_parameters(recurse=False) if n in names)
+    path = next(iter(names)).rsplit(".", 1)[0]
+    experts = next(m for n, m in build_meta_model(config).named_modules() if n.endswith(f".{path}"))
+    return tuple(f"{path}.{n}" for n, _ in experts.named_parameters(recurse=False) if f"{path}.{n}" in names)
+
+
+def stack_experts(factors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert LoRA factors (A_e [r, in], B_e [out, r], expert by expert) as PEFT's LoRA of a stacked tensor:
+    A [r * E, in] expert by expert, B [out, r * E] with expert e's rank k in column k * E + e."""
+    return torch.cat([a for a, _ in factors]), torch.stack([b for _, b in factors], dim=-1).flatten(1)
+
+
+def expert_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-expert factors (A_e, B_e) of PEFT's LoRA of a stacked tensor: the inverse of :func:`stack_experts`."""
+    rank = lora_a.shape[0] // experts
+    b = lora_b.reshape(lora_b.shape[0], rank, experts)
+    return [(lora_a[e * rank : (e + 1) * rank], b[:, :, e]) for e in range(experts)]
 
 
 class BridgeLoraCodec:
@@ -278,14 +291,7 @@ class BridgeLoraCodec:
 
     def target_parameters(self, config: Any) -> tuple[str, ...]:
         """PEFT's ``target_parameters`` of the family's stacked expert tensors (``mlp.experts.gate_up_proj``)."""
-        family = self._family(config)
-        experts = next(
-            (m for m in family.registry.mappings if _STACKED.match(_hf_params(m).get("", "").replace("*", "0"))), None
-        )
-        if experts is None:
-            return ()
-        path = _STACKED.match(_hf_params(experts)[""].replace("*", "0"))["path"]  # type: ignore[index]
-        return tuple(f"{path}.{param}" for param in family.stacked_params)
+        return self._family(config).stacked_params
 
     def to_peft(self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout) -> dict[str, torch.Tensor]:
         """Megatron LoRA tensors (canonical layout) -> PEFT tensors named after the HF modules."""
@@ -300,7 +306,7 @@ class BridgeLoraCodec:
                 raise CodecError(f"{key!r}: layer {layer} but the model has {layout.num_layers}")
             pairs.setdefault(f"{_DECODER}{layer}.{path}", {})[which] = value
         out: dict[str, torch.Tensor] = {}
-        stacked: dict[tuple[str, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        stacked: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, pair in pairs.items():
             if set(pair) != {"A", "B"}:
                 raise CodecError(f"{module}: needs both lora_A and lora_B")
@@ -315,15 +321,12 @@ class BridgeLoraCodec:
                 name = PEFT_PREFIX + family.peft_module(mapping, role)
                 out[f"{name}.lora_A.weight"] = lora_a.clone()
                 out[f"{name}.lora_B.weight"] = lora_b[rows].clone()
-        for (experts_module, param), by_expert in stacked.items():
+        for peft_module, by_expert in stacked.items():
             count = layout.moe.num_experts if layout.moe else 0
             if sorted(by_expert) != list(range(count)):
-                raise CodecError(f"{experts_module}.{param}: LoRA of experts {sorted(by_expert)}, not of all {count}")
-            # PEFT's stacked-parameter LoRA: A [r * E, in] expert by expert; B [out, r * E] with expert e's rank k in
-            # column k * E + e.
-            lora_a = torch.cat([by_expert[e][0] for e in range(count)])
-            lora_b = torch.stack([by_expert[e][1] for e in range(count)], dim=-1).flatten(1)
-            name = PEFT_PREFIX + experts_module + family.nesting(param)
+                raise CodecError(f"{peft_module}: LoRA of experts {sorted(by_expert)}, not of all {count}")
+            name = PEFT_PREFIX + peft_module
+            lora_a, lora_b = stack_experts([by_expert[e] for e in range(count)])
             out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = lora_a, lora_b
         return out
 
@@ -335,28 +338,23 @@ class BridgeLoraCodec:
         rest, out = {}, {}
         count = layout.moe.num_experts if layout.moe else 0
         for key, value in tensors.items():
-            match = _stacked_peft(key, family)
-            if match is None:
+            target = stacked_target(key, family.stacked_params)
+            if target is None:
                 rest[key] = value
                 continue
-            if match["which"] == "B":
+            if target[1] == "B":
                 continue  # read with its A
-            depth = match["nest"].count(".base_layer")
-            param = family.stacked_params[len(family.stacked_params) - 1 - depth]
             lora_a, lora_b = value, tensors[key[: -len("A.weight")] + "B.weight"]
             if count == 0 or lora_a.shape[0] % count or lora_b.shape[1] != lora_a.shape[0]:
                 raise CodecError(
                     f"{key}: {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} is no LoRA of {count} experts"
                 )
-            rank = lora_a.shape[0] // count
-            layer = int(match["module"][len(family.layers_prefix) :].split(".", 1)[0])
-            for expert in range(count):
-                module, mapping = family.expert_module(layer, match["module"], param, expert)
-                b = lora_b.reshape(lora_b.shape[0], rank, count)[:, :, expert]
-                ((_, rows),) = family.split(mapping, b.shape[0], lora_a.shape[1])
+            for expert, (a, b) in enumerate(expert_factors(lora_a, lora_b, count)):
+                module, mapping = family.expert_module(target[0], expert)
+                ((_, rows),) = family.split(mapping, b.shape[0], a.shape[1])
                 fused = b.new_empty(b.shape)
                 fused[rows] = b
-                out[f"{module}.lora_A.weight"] = lora_a[expert * rank : (expert + 1) * rank].clone()
+                out[f"{module}.lora_A.weight"] = a.clone()
                 out[f"{module}.lora_B.weight"] = fused
         return rest, out
 
@@ -417,13 +415,6 @@ def stacked_target(key: str, target_parameters: Sequence[str]) -> tuple[str, str
         return None
     params = [name.rsplit(".", 1)[-1] for name in target_parameters]
     return f"{match['module']}.{params[len(params) - 1 - match['nest'].count('.base_layer')]}", match["which"]
-
-
-def _stacked_peft(key: str, family: _Family) -> re.Match[str] | None:
-    """The match of a PEFT key of a stacked parameter's LoRA (``...experts.base_layer.lora_A.weight``)."""
-    if not family.stacked_params or not key.startswith(PEFT_PREFIX):
-        return None
-    return PEFT_STACKED.match(key[len(PEFT_PREFIX) :])
 
 
 def save_peft_adapter(

@@ -56,9 +56,10 @@ def stored_names(model: Any) -> tuple[set[str], set[str]]:
     return checkpoint_modules(names), names
 
 
-def missing_targets(spec: HandlerSpec, model: Any) -> list[str]:
-    """HF target modules the declaration names that a checkpoint of the model does not store."""
-    modules, params = stored_names(model)
+def missing_targets(spec: HandlerSpec, stored: tuple[set[str], set[str]]) -> list[str]:
+    """HF target modules the declaration names that a checkpoint of the model does not store (``stored``: the
+    model's :func:`stored_names`)."""
+    modules, params = stored
     return [f"{t.scope}:{hf}" for t in spec.lora_targets for hf in t.hf if not _present(t, hf, modules, params)]
 
 
@@ -156,10 +157,10 @@ def target_name_problems(spec: HandlerSpec, bridge: str, linears: Sequence[Mappe
     return problems
 
 
-def model_linears(linears: Sequence[MappedLinear], model: Any) -> list[MappedLinear]:
+def model_linears(linears: Sequence[MappedLinear], stored: tuple[set[str], set[str]]) -> list[MappedLinear]:
     """The mapped linears the transformers ``model`` has (a bridge maps every variant of its family: DeepSeek's
     ``q_proj`` where ``q_lora_rank`` is None, the dense MLP of an MoE family whose configs may have none)."""
-    modules, params = stored_names(model)
+    modules, params = stored
     return [
         linear
         for linear in linears

@@ -19,6 +19,7 @@ from model_support.core.validate import (
     build_meta_model,
     checkpoint_modules,
     checkpoint_size_problems,
+    stored_names,
     uncovered_targets,
 )
 from model_support.handlers import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
@@ -50,7 +51,7 @@ def _architecture(spec: HandlerSpec, model_dir: Path, workdir: Path) -> StageRes
 def _bridge_checks(spec: HandlerSpec, model_dir: Path, workdir: Path) -> tuple[list[str], list[str]]:
     """(problems, details) of the stage's checks against the bridge's mappings and the checkpoint's shapes alone."""
     ctx = _context(spec, model_dir, workdir)
-    return ArchitectureStage._bridge_checks(ctx, build_meta_model(ctx.config))
+    return ArchitectureStage._bridge_checks(ctx, stored_names(build_meta_model(ctx.config)))
 
 
 def _without(spec: HandlerSpec, megatron: str, scope: TargetScope, **changes) -> HandlerSpec:
@@ -315,7 +316,7 @@ def test_every_builtin_declaration_covers_what_its_bridge_maps(tiny_model_dir, t
 def test_targets_are_checked_against_the_names_a_checkpoint_stores_not_the_in_memory_modules():
     """transformers >= 5 fuses Mixtral's experts in memory (mlp.experts.gate_up_proj); its checkpoints, PEFT adapters
     and vLLM keep block_sparse_moe.experts.<e>.w1 / w3 / w2: the names transformers' own conversion saves."""
-    from model_support.core.validate import missing_targets, stored_names
+    from model_support.core.validate import missing_targets
 
     config = transformers.MixtralConfig(
         num_hidden_layers=1, hidden_size=32, intermediate_size=16, num_local_experts=2, num_attention_heads=2,
@@ -323,13 +324,13 @@ def test_targets_are_checked_against_the_names_a_checkpoint_stores_not_the_in_me
     )  # fmt: skip
     model = build_meta_model(config)
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())
-    modules, _ = stored_names(model)
-    assert {"model.layers.0.block_sparse_moe.experts.1.w3", "model.layers.0.block_sparse_moe.gate"} <= modules
+    names = stored_names(model)
+    assert {"model.layers.0.block_sparse_moe.experts.1.w3", "model.layers.0.block_sparse_moe.gate"} <= names[0]
     stored = (LoraTarget("linear_fc1", ("w1", "w3"), TargetScope.EXPERT),)
     in_memory = (LoraTarget("linear_fc1", ("gate_up_proj",), TargetScope.EXPERT),)
     spec = replace(QWEN3_MOE, lora_targets=targets.ATTENTION + stored)
-    assert missing_targets(spec, model) == []
-    assert missing_targets(replace(spec, lora_targets=targets.ATTENTION + in_memory), model) == ["expert:gate_up_proj"]
-    assert missing_targets(replace(spec, lora_targets=targets.ATTENTION + targets.EXPERTS), model) == [
+    assert missing_targets(spec, names) == []
+    assert missing_targets(replace(spec, lora_targets=targets.ATTENTION + in_memory), names) == ["expert:gate_up_proj"]
+    assert missing_targets(replace(spec, lora_targets=targets.ATTENTION + targets.EXPERTS), names) == [
         "expert:gate_proj", "expert:up_proj", "expert:down_proj",
     ]  # fmt: skip

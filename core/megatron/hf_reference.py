@@ -63,16 +63,14 @@ class StackedLoraDelta(LoraDelta):
     experts: int = 1
     peft_module: str = ""  # the PEFT key of its factors, less ``.lora_A.weight``
 
-    def factors(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rank = self.lora_a.shape[0] // self.experts
-        b = self.lora_b.reshape(self.lora_b.shape[0], rank, self.experts)[:, :, expert]
-        return self.lora_a[expert * rank : (expert + 1) * rank], b
+    def factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each expert's (A_e, B_e)."""
+        from model_support.core.codecs import expert_factors
+
+        return expert_factors(self.lora_a, self.lora_b, self.experts)
 
     def on(self, device: torch.device) -> torch.Tensor:
-        parts = [
-            (b.to(device, torch.float32) @ a.to(device, torch.float32)).T
-            for a, b in map(self.factors, range(self.experts))
-        ]
+        parts = [(b.to(device, torch.float32) @ a.to(device, torch.float32)).T for a, b in self.factors()]
         return self.scale * torch.stack(parts)
 
 

@@ -454,10 +454,10 @@ def test_without_a_bridge_experts_are_named_as_the_checkpoint_stores_them(
 ):
     """No bridge maps Mixtral: its expert targets come from transformers' own checkpoint conversion (w1 and w3 into
     the fused gate_up_proj, w2 into down_proj), the names its checkpoints, PEFT adapters and vLLM use."""
-    from model_support.core.validate import build_meta_model, missing_targets
+    from model_support.core.validate import build_meta_model, missing_targets, stored_names
 
     config_path, package = families["new-mixtral"]
     handler = import_handler(package).HANDLER
     experts = [t for t in handler.lora_targets if t.scope is TargetScope.EXPERT]
     assert [(t.megatron, t.hf) for t in experts] == [("linear_fc1", ("w1", "w3")), ("linear_fc2", ("w2",))]
-    assert missing_targets(handler, build_meta_model(load_config(locate(str(config_path))))) == []
+    assert missing_targets(handler, stored_names(build_meta_model(load_config(locate(str(config_path)))))) == []

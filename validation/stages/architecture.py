@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from model_support.core.megatron.imports import MegatronUnavailableError
 from model_support.core.spec import TargetScope
 from model_support.core.validate import (
@@ -15,6 +13,7 @@ from model_support.core.validate import (
     missing_targets,
     model_linears,
     modules_under,
+    stored_names,
     target_name_problems,
     uncovered_targets,
 )
@@ -53,13 +52,14 @@ class ArchitectureStage(Stage):
             )
         problems = layout_problems(ctx.spec, layout) + ctx.spec.config_problems(ctx.config)
         model = build_meta_model(ctx.config)
-        missing = missing_targets(ctx.spec, model)
+        stored = stored_names(model)  # what a checkpoint of the model holds, by transformers' own conversion
+        missing = missing_targets(ctx.spec, stored)
         if missing:
             problems.append(f"target modules missing from {type(model).__name__}: {', '.join(missing)}")
         checked, problem = self._checkpoint_names(ctx)
         if problem:
             problems.append(problem)
-        bridge_problems, bridge_details = self._bridge_checks(ctx, model)
+        bridge_problems, bridge_details = self._bridge_checks(ctx, stored)
         problems += bridge_problems
         ignored, features_checked = self._built_features(ctx)
         problems += ignored
@@ -79,7 +79,7 @@ class ArchitectureStage(Stage):
         return self.passed(layout.describe(), metrics=metrics, details=details)
 
     @staticmethod
-    def _bridge_checks(ctx: CheckContext, model: Any) -> tuple[list[str], list[str]]:
+    def _bridge_checks(ctx: CheckContext, stored: tuple[set[str], set[str]]) -> tuple[list[str], list[str]]:
         """(problems, detail lines) of the declaration against megatron-bridge's mappings of the family: each target's
         HF modules are those the mapping of its Megatron linear reads; every LoRA linear the bridge maps in this model
         is targeted or excluded with a reason; the MoE sizes derived from the config match the checkpoint's shapes."""
@@ -91,7 +91,7 @@ class ArchitectureStage(Stage):
             bridge, linears = bridge_linears(ctx.config, ctx.layout)
         except (ImportError, MegatronUnavailableError, MegatronBuildError) as exc:
             return [], [f"LoRA targets not checked against megatron-bridge's mappings: {exc}"]
-        present = model_linears(linears, model)
+        present = model_linears(linears, stored)
         problems = target_name_problems(ctx.spec, bridge, linears)
         covered, details = coverage_problems(ctx.spec, bridge, linears, present)
         problems += covered

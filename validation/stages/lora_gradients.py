@@ -54,18 +54,19 @@ def packed_lengths(length: int) -> tuple[int, int, int]:
 def factor_gradients(weight_grads: dict[str, torch.Tensor], deltas: dict[str, LoraDelta]) -> dict[str, torch.Tensor]:
     """PEFT-named gradients of each adapter module's factors, from the gradient ``G`` of the checkpoint tensor it is
     merged into: ``W' = W + s B A`` gives ``dL/dA = s B^T G`` and ``dL/dB = s G A^T`` (float64, on the CPU)."""
-    from model_support.core.codecs import PEFT_PREFIX
+    from model_support.core.codecs import PEFT_PREFIX, stack_experts
     from model_support.core.megatron.hf_reference import StackedLoraDelta
 
     out = {}
     for key, delta in deltas.items():
         grad = weight_grads[key].detach().double().cpu()
         if isinstance(delta, StackedLoraDelta):  # expert e's [in, out] slice holds (s B_e A_e)^T: transposed G_e
-            factors = [(a.double().cpu(), b.double().cpu()) for a, b in map(delta.factors, range(delta.experts))]
-            grads_a = [delta.scale * b.T @ grad[e].T for e, (_, b) in enumerate(factors)]
-            grads_b = [delta.scale * grad[e].T @ a.T for e, (a, _) in enumerate(factors)]
-            out[f"{delta.peft_module}.lora_A.weight"] = torch.cat(grads_a)
-            out[f"{delta.peft_module}.lora_B.weight"] = torch.stack(grads_b, dim=-1).flatten(1)
+            per_expert = [
+                (delta.scale * b.double().cpu().T @ g.T, delta.scale * g.T @ a.double().cpu().T)
+                for g, (a, b) in zip(grad, delta.factors(), strict=True)
+            ]
+            grad_a, grad_b = stack_experts(per_expert)
+            out[f"{delta.peft_module}.lora_A.weight"], out[f"{delta.peft_module}.lora_B.weight"] = grad_a, grad_b
             continue
         a, b = delta.lora_a.double().cpu(), delta.lora_b.double().cpu()
         module = PEFT_PREFIX + key.removesuffix(".weight")

@@ -5,7 +5,7 @@ import json
 import pytest
 from model_support.core.registry import load_registry
 from model_support.core.tiny import build_tiny
-from model_support.core.validate import build_meta_model, missing_targets
+from model_support.core.validate import build_meta_model, missing_targets, stored_names
 from transformers import MixtralConfig
 
 from model_support_mixtral.handler import MIXTRAL, REFERENCE_CONFIG
@@ -30,7 +30,7 @@ def test_reference_config_has_the_published_mixtral_8x7b_layout():
 
 
 def test_the_targets_are_the_names_mixtral_checkpoints_store():
-    assert missing_targets(MIXTRAL, build_meta_model(_reference())) == []
+    assert missing_targets(MIXTRAL, stored_names(build_meta_model(_reference()))) == []
 
 
 def test_the_bridge_maps_the_checkpoints_expert_names():
