@@ -292,6 +292,8 @@ def whole_reference(
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     if reference.model.config._attn_implementation == "sdpa":
         reference.model.set_attn_implementation(_register_repeated_kv_sdpa())
+    elif reference.model.config._attn_implementation == "eager":
+        reference.model.set_attn_implementation(_register_query_blocked_eager())
     return reference.model
 
 
@@ -335,6 +337,53 @@ def _register_repeated_kv_sdpa() -> str:
     AttentionInterface.register(_REPEATED_KV_SDPA, _repeated_kv_sdpa)
     AttentionMaskInterface.register(_REPEATED_KV_SDPA, sdpa_mask)
     return _REPEATED_KV_SDPA
+
+
+_QUERY_BLOCKED_EAGER = "model_support_query_blocked_eager"
+QUERY_BLOCK_BYTES = 256 * 2**20  # the most one block's [batch, heads, queries, keys] scores may take
+
+
+def _query_blocked_eager(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The family's own eager attention (its modeling module's ``eager_attention_forward``, attention sinks
+    included), run on blocks of queries, each block recomputed in the backward. Eager attention holds [heads, S, S]
+    scores several times over (4 GiB each at 64 heads and 4097 fp32 tokens: gpt-oss, whose sinks SDPA cannot
+    take); each query's output depends on that query's row alone, so the blocks compute what one call does."""
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    batch, heads, queries, _ = query.shape
+    block = max(1, QUERY_BLOCK_BYTES // (batch * heads * key.shape[2] * query.element_size()))
+    if queries <= block:
+        out, _ = eager(module, query, key, value, attention_mask, **kwargs)
+        return out, None
+    outs = []
+    for start in range(0, queries, block):
+        rows = slice(start, start + block)
+        mask = attention_mask
+        if mask is not None and mask.shape[2] == queries:
+            mask = mask[:, :, rows]
+        out, _ = torch.utils.checkpoint.checkpoint(
+            eager, module, query[:, :, rows], key, value, mask, use_reentrant=False, **kwargs
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+def _register_query_blocked_eager() -> str:
+    """Register :func:`_query_blocked_eager` (and the eager masks for it) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(_QUERY_BLOCKED_EAGER, _query_blocked_eager)
+    AttentionMaskInterface.register(_QUERY_BLOCKED_EAGER, eager_mask)
+    return _QUERY_BLOCKED_EAGER
 
 
 def checkpoint_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

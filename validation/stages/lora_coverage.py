@@ -55,7 +55,8 @@ class LoraCoverageStage(Stage):
     by at least the dtype's effect floor, so the comparison can see a wrong split. On a row across the model's
     length structures: ``api.apply_lora``'s fresh adapter leaves the logits unchanged (bit for bit in fp32), and
     with the random adapter train mode computes what eval mode does (no stochastic layer; the modules that differ
-    are named)."""
+    are named). Both of these compare the model with itself, each pair of runs under one recorded MoE routing: a GPU's
+    MoE dispatch does not repeat its sums bitwise, and a near tie that such a sum flips would move whole tokens."""
 
     name = "lora_coverage"
     title = "Every declared target gets a trainable LoRA; the codec round trip is exact; adapter logits match."
@@ -201,19 +202,21 @@ class LoraCoverageStage(Stage):
         """LoRA applied through the run's session (``api.apply_lora``), with the logits of ``tokens`` just before and
         just after: the fresh adapter (B = 0) must leave them unchanged (``fresh_lora_logits_max_abs_err``), bit for
         bit in fp32; below fp32 (where a GPU's MoE dispatch does not repeat its sums bitwise) within the stage's
-        same-model tolerances (``fresh_lora_logits_rel_l2``, ``_mean_abs_pct``)."""
-        from model_support.core.megatron.compare import closeness, same_model_tolerances
+        same-model tolerances (``fresh_lora_logits_rel_l2``, ``_mean_abs_pct``). Both runs replay one recorded MoE
+        routing: a near tie that such a sum flips would otherwise move whole tokens to other experts."""
+        from model_support.core.megatron.compare import closeness, replayed_routing, same_model_tolerances
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.session import LOWP_KEY, megatron_lora, training_model
+        from model_support.validation.row_runs import routing_alone
 
         model = training_model(ctx)
         if model.lora is not None:  # another stage of the run applied it first
             return megatron_lora(ctx), {}, {}, ["apply_lora's identity not measured: LoRA was on before this stage"]
         exact = model.built.numerics.dtype == torch.float32
-        with torch.no_grad():
+        routing = [calls[0] for calls in routing_alone(model.module, [tokens])]
+        with torch.no_grad(), replayed_routing(model.module, routing, batch=1):
             base = logits(model.module, tokens)
-        report = megatron_lora(ctx)
-        with torch.no_grad():
+            report = megatron_lora(ctx)
             fresh = logits(model.module, tokens)
         note = "bit for bit" if exact else "within the same-model tolerances"
         details = [f"apply_lora's fresh adapter (B = 0) on {tokens.shape[1]} tokens: logits unchanged {note}"]
@@ -231,16 +234,19 @@ class LoraCoverageStage(Stage):
     ) -> tuple[dict[str, float], dict[str, float], list[str]]:
         """The model with its random adapter computes in train mode what it does in eval mode (no stochastic layer:
         a trainer's forward in train mode must score what eval measured): ``train_mode_logits_`` closeness, fp32
-        within 1e-6, below fp32 within the stage's same-model tolerances. Failing, the modules whose output differs
-        from the same input (the innermost) are named."""
-        from model_support.core.megatron.compare import closeness, same_model_tolerances
+        within 1e-6, below fp32 within the stage's same-model tolerances, both modes replaying one recorded MoE
+        routing (as the fresh adapter's check does). Failing, the modules whose output differs from the same input
+        (the innermost) are named."""
+        from model_support.core.megatron.compare import closeness, replayed_routing, same_model_tolerances
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.session import LOWP_KEY
+        from model_support.validation.row_runs import routing_alone
 
         dtype = next(model.parameters()).dtype
         was = model.training
+        routing = [calls[0] for calls in routing_alone(model, [tokens])]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), replayed_routing(model, routing, batch=1):
                 model.eval()
                 evaluated = logits(model, tokens)
                 model.train()
@@ -256,7 +262,8 @@ class LoraCoverageStage(Stage):
         dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         details = [f"Dropout modules with p > 0: {', '.join(dropouts[:4]) or 'none'}"]
         if any(not metrics[k] <= v for k, v in limits.items()):
-            differ = _differing_in_train_mode(model, tokens)
+            with replayed_routing(model, routing, batch=1):
+                differ = _differing_in_train_mode(model, tokens)
             details.append(f"train mode changes the output of {', '.join(differ[:4]) or 'no single module'}")
         return metrics, limits, details
 

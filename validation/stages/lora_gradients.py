@@ -202,7 +202,9 @@ class LoraGradientsStage(Stage):
     maps them into Megatron's layout (a fused module's A gradient is the sum over the HF modules sharing it, its B
     gradient the rows of theirs). PEFT's own LoRA layers are not used: PEFT 0.21 cannot place per-expert adapters
     on transformers 5's fused Qwen3.5-MoE experts. MoE routers replay the reference's routing, so a near tie
-    cannot flip.
+    cannot flip. Its attention runs the memory-efficient SDPA kernel, or for a family on eager attention (gpt-oss,
+    whose sinks SDPA cannot take) the family's own eager attention a block of queries at a time: each layer's backward
+    holds O(S) attention memory (a block of queries: at most 256 MiB of scores), not [heads, S, S] scores.
 
     fp32: max |diff| / max |reference| at most 1e-4 for the per-token losses (``loss_rel_err``) and for the worst
     factor's gradient (``grad_worst_factor_rel_err``, named in ``grad_worst_factor``; a factor no token reached

@@ -1,0 +1,54 @@
+"""The whole-model reference's eager attention run a block of queries at a time (``hf_reference._query_blocked_eager``)
+computes what the family's own eager attention does: gpt-oss's, with attention sinks and a sliding window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_support.core.megatron import hf_reference
+
+
+def _gpt_oss(attn_implementation: str) -> torch.nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation=attn_implementation,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()  # zero-initialised: give the sinks a say
+    return model
+
+
+def _loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(tokens).logits
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if "self_attn" in n}
+    return out.detach(), grads
+
+
+def test_blocked_eager_attention_matches_the_familys_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(1))
+    own = _gpt_oss("eager")
+    expected, expected_grads = _loss_and_grads(own, tokens)
+
+    blocked = _gpt_oss("eager")
+    blocked.set_attn_implementation(hf_reference._register_query_blocked_eager())
+    # 4 queries a block (batch 2, 4 heads, 21 keys, 4 bytes): 6 blocks, the last one short.
+    monkeypatch.setattr(hf_reference, "QUERY_BLOCK_BYTES", 2 * 4 * 21 * 4 * 4)
+    calls = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    got, grads = _loss_and_grads(blocked, tokens)
+
+    assert len(calls) == 2 * 6  # each layer's queries in six blocks
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert expected_grads.keys() == grads.keys() and any("sinks" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
