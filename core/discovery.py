@@ -4,6 +4,7 @@ exactly one handler. Nothing here reaches the network."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,10 @@ def locate(target: str) -> ModelSource:
     directory, e.g. vLLM) can take a relative path for a hub id.
     """
     path = Path(target).expanduser().absolute()
+    if os.path.lexists(path) and not path.exists():
+        raise ModelNotFoundError(
+            f"{target!r} is a symbolic link that leads nowhere (broken, or a loop); point at the model directory itself"
+        )
     if path.is_file() and path.name.endswith(".json"):
         directory, config_file = path.parent, path
     elif path.is_dir():
@@ -76,22 +81,47 @@ def locate(target: str) -> ModelSource:
         raise ModelNotFoundError(f"{target!r} is neither a directory, a config.json, nor a hub id (org/name)")
     if not config_file.is_file():
         raise ModelNotFoundError(f"{directory} has no config.json; point at a Hugging Face model directory")
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{config_file} is not readable JSON ({reason}); re-download or fix the file") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{config_file} does not hold a JSON object")
+    raw = _json_object(config_file)
+    for side_file in _SIDE_FILES:  # read by transformers and vLLM later, where a broken one would fail a stage
+        if (directory / side_file).exists():
+            _json_object(directory / side_file)
     check_config(raw, str(config_file))
     return ModelSource(target, directory, raw, config_file)
 
 
+# The checkpoint's JSON files besides its config that the stages' libraries read.
+_SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """``path`` read as a JSON object, or a one-line :class:`ConfigError` naming the file."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{path} nests its JSON too deeply to read; re-download or fix the file") from None
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{path} is not readable JSON ({reason}); re-download or fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return raw
+
+
 def resolve_handler(source: ModelSource, registry: Registry) -> RegisteredHandler:
-    """The one handler for this config: by its architectures, else by its model_type."""
-    for arch in source.architectures:
-        if arch in registry.claims:
-            return registry.for_architecture(arch)
+    """The one handler for this config: by its architectures, else by its model_type. A config naming several
+    architectures must have them all claimed by one handler: transformers and vLLM build the first, the bridge may
+    read another, so a stray second name would be checked as a model nobody builds."""
+    claimed = [arch for arch in source.architectures if arch in registry.claims]
+    if claimed:
+        handler = registry.for_architecture(claimed[0])
+        stray = [a for a in source.architectures if a not in handler.spec.architectures]
+        if stray:
+            raise UnknownArchitectureError(
+                f"{source.config_file} names architectures {', '.join(source.architectures)}, and handler "
+                f"{handler.spec.name} claims only {', '.join(handler.spec.architectures)}: a checkpoint is one model; "
+                f"remove {', '.join(stray)} from `architectures`"
+            )
+        return handler
     by_type = [h for h in registry.handlers.values() if source.model_type in h.spec.model_types]
     if len(by_type) == 1:
         return by_type[0]

@@ -372,3 +372,122 @@ def test_targets_the_checkpoint_does_not_name_fail_instead_of_passing(tiny_model
         assert serving["status"] == "fail"
         assert "have no bridge mapping" in serving["summary"]
         assert "checkpoint lacks model.layers.0.mlp.experts.0." in serving["summary"]
+
+
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    text = json.dumps(QWEN3)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = _write_config(tmp_path, text)
+    with pytest.raises(ConfigError, match="nests its JSON too deeply to read"):
+        locate(str(path))
+
+
+def test_a_symlink_loop_is_named_as_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "name").symlink_to(tmp_path / "missing")
+    monkeypatch.chdir(tmp_path)
+    for target in ("a", "org/name"):  # "org/name" has a hub id's shape
+        with pytest.raises(ModelNotFoundError, match="is a symbolic link that leads nowhere"):
+            locate(target)
+
+
+@pytest.mark.parametrize("side_file", ["generation_config.json", "tokenizer_config.json"])
+def test_an_unreadable_json_file_beside_the_config_is_named(tmp_path: Path, side_file: str) -> None:
+    _write_config(tmp_path, QWEN3)
+    (tmp_path / side_file).write_text('{"bos_token_id": 1,')
+    with pytest.raises(ConfigError) as err:
+        locate(str(tmp_path))
+    assert str(err.value).startswith(f"{tmp_path / side_file} is not readable JSON")
+
+
+def test_an_architecture_no_handler_builds_beside_a_claimed_one(tmp_path: Path) -> None:
+    """transformers builds the first architecture, a bridge may read another: a second one nobody claims is refused,
+    whichever comes first."""
+    from model_support.core.discovery import resolve_handler
+    from model_support.core.errors import UnknownArchitectureError
+    from model_support.core.registry import load_registry
+
+    registry = load_registry()
+    for names in (["Qwen3ForCausalLM", "FooBarForCausalLM"], ["FooBarForCausalLM", "Qwen3ForCausalLM"]):
+        path = _write_config(tmp_path, {**QWEN3, "architectures": names})
+        with pytest.raises(UnknownArchitectureError) as err:
+            resolve_handler(locate(str(path)), registry)
+        assert "handler qwen3 claims only Qwen3ForCausalLM" in str(err.value)
+        assert str(err.value).endswith("remove FooBarForCausalLM from `architectures`")
+
+
+def test_prefer_names_a_handler_for_an_architecture_it_does_not_claim() -> None:
+    line = _one_line_error(
+        run_cli("check", "qwen3", "--tiny", "-s", "dependencies", "--prefer", "Qwen3ForCausalLM=qwen3.5")
+    )
+    assert line.endswith(
+        "--prefer prefers handler qwen3.5 for Qwen3ForCausalLM, which it does not claim; claimed by: qwen3"
+    )
+
+
+def test_auto_map_remote_code_does_not_change_the_bridge(tiny_model_dir) -> None:
+    """A config's auto_map names remote code, never run: the bridge of the built-in class is the one used."""
+    from transformers import AutoConfig
+
+    from model_support.core.megatron.builder import family_bridge
+
+    config = AutoConfig.from_pretrained(tiny_model_dir("qwen3"))
+    config.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    bridge, _ = family_bridge(config)
+    assert type(bridge).__name__ == "Qwen3Bridge"
+    assert config.auto_map  # the caller's config is left as it was
+
+
+def test_a_model_dir_without_tokenizer_files_is_named(tiny_model_dir, tmp_path: Path) -> None:
+    """transformers builds an empty tokenizer of the family's class when the files are missing."""
+    from model_support.core.errors import ModelSupportError
+    from model_support.validation.context import CheckContext
+
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model_dir / name).unlink()
+    ctx = CheckContext.__new__(CheckContext)
+    ctx.model_dir, ctx.artifacts = model_dir, {}
+    with pytest.raises(ModelSupportError, match=r"^no tokenizer files in .*: transformers' Qwen2Tokenizer from it has"):
+        ctx.tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "did not render 1 "),
+        ('{% for i in range(100000) %}{{ "y" * 100 }}{% endfor %}', "a prompt rendered to 10000000 characters"),
+        ('{{ "x" * 30000000000 }}', "failed to render: MemoryError"),
+        ("{{ raise_exception('no system role') }}", "failed to render: "),
+    ],
+    ids=["endless loops", "huge prompt", "huge string", "template raises"],
+)
+def test_a_chat_template_renders_under_limits(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str, message: str
+) -> None:
+    from model_support.core.errors import ModelSupportError
+    from model_support.validation import context
+    from model_support.validation.context import CheckContext
+
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+    (model_dir / "chat_template.jinja").write_text(template)
+    monkeypatch.setattr(context, "CHAT_RENDER_LIMIT_S", 20)  # the loops would take hours at any limit
+    ctx = CheckContext.__new__(CheckContext)
+    ctx.model_dir = model_dir
+    with pytest.raises(ModelSupportError) as err:
+        ctx.chat_prompts([[{"role": "user", "content": "hi"}]])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_chat_template_renders_as_the_tokenizer_does(tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from model_support.validation.context import CheckContext
+
+    ctx = CheckContext.__new__(CheckContext)
+    ctx.model_dir = tiny_model_dir("qwen3")
+    chats = [[{"role": "user", "content": "Is fire cold?"}], [{"role": "system", "content": "Be brief."}]]
+    tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
+    expected = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    assert ctx.chat_prompts(chats) == expected

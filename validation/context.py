@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# Limits of one rendering of the check's conversations by a checkpoint's chat template (CheckContext.chat_prompts).
+CHAT_RENDER_LIMIT_S = 60  # loading the tokenizer included
+CHAT_RENDER_MAX_CHARS = 1_000_000
+CHAT_RENDER_MAX_BYTES = 8 * 2**30  # the child's address space
+
 if TYPE_CHECKING:
     from model_support.core.layout import ModelLayout
     from model_support.core.registry import RegisteredHandler, Registry
@@ -47,11 +52,54 @@ class CheckContext:
             from model_support.core.errors import ModelSupportError
 
             try:
-                self.artifacts["tokenizer"] = AutoTokenizer.from_pretrained(self.model_dir)
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             except Exception as exc:  # transformers raises OSError, ValueError or TypeError here
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise ModelSupportError(
                     f"no usable tokenizer in {self.model_dir} ({type(exc).__name__}: {reason}); add the checkpoint's "
                     "tokenizer files"
                 ) from None
+            # Without tokenizer files transformers builds the family's tokenizer class with an empty vocabulary.
+            if len(tokenizer) <= len(tokenizer.all_special_ids):
+                raise ModelSupportError(
+                    f"no tokenizer files in {self.model_dir}: transformers' {type(tokenizer).__name__} from it has "
+                    f"{len(tokenizer)} token(s); add the checkpoint's tokenizer files (e.g. tokenizer.json)"
+                )
+            self.artifacts["tokenizer"] = tokenizer
         return self.artifacts["tokenizer"]
+
+    def chat_prompts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
+        """Each conversation rendered by the checkpoint's chat template (``add_generation_prompt=True``), as
+        ``tokenizer.apply_chat_template(..., tokenize=False)`` renders it, in a child process held to
+        ``CHAT_RENDER_LIMIT_S`` seconds, ``CHAT_RENDER_MAX_CHARS`` characters a prompt and ``CHAT_RENDER_MAX_BYTES``
+        of memory: a template's loops and output are bounded by nothing else."""
+        import json
+        import resource
+        import subprocess
+        import sys
+
+        from model_support.core.errors import ModelSupportError
+
+        def limit_memory() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (CHAT_RENDER_MAX_BYTES, CHAT_RENDER_MAX_BYTES))
+
+        script = Path(__file__).with_name("chat_render.py")
+        what = f"the chat template of {self.model_dir}"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-P", str(script), str(self.model_dir), str(CHAT_RENDER_MAX_CHARS)],
+                input=json.dumps(conversations),
+                capture_output=True,
+                text=True,
+                timeout=CHAT_RENDER_LIMIT_S,
+                preexec_fn=limit_memory,
+            )
+        except subprocess.TimeoutExpired:
+            raise ModelSupportError(
+                f"{what} did not render {len(conversations)} short conversation(s) in {CHAT_RENDER_LIMIT_S} s; "
+                "fix its loops (a correct template renders them in milliseconds)"
+            ) from None
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+            raise ModelSupportError(f"{what} failed to render: {lines[-1]}")
+        return json.loads(proc.stdout)

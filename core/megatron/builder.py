@@ -228,6 +228,9 @@ def family_bridge(config: Any) -> tuple[Any, Any]:
 
     tcfg = copy.deepcopy(text_config(config))
     tcfg.architectures = [text_architecture(config)]
+    # The bridge would look up the class a config's ``auto_map`` names (remote code, which is never run here);
+    # transformers and vLLM build the built-in class of ``architectures``, and that is the model checked.
+    tcfg.auto_map = None
     try:
         return AutoBridge.from_hf_config(tcfg)._model_bridge, tcfg
     except ValueError as exc:

@@ -29,11 +29,6 @@ CONVERSATION = [
 _OUT_OF_VOCABULARY = re.compile(r"Token id (\d+) is out of vocabulary")
 
 
-def _ids(rendered) -> list[int]:
-    """apply_chat_template(tokenize=True) returns a list or, in newer transformers, a BatchEncoding."""
-    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-
-
 class ChatTemplateRolloutStage(Stage):
     name = "chat_template_rollout"
     title = "Chat-template rendering, server generation and token ids round-trip between tokenizer and server."
@@ -49,7 +44,8 @@ class ChatTemplateRolloutStage(Stage):
         tokenizer = ctx.tokenizer()
         if not tokenizer.chat_template:
             return self.skipped(f"the tokenizer in {ctx.model_dir} has no chat template")
-        local = _ids(tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True))
+        # apply_chat_template(tokenize=True) encodes its rendering without added special tokens.
+        local = tokenizer.encode(ctx.chat_prompts([CONVERSATION])[0], add_special_tokens=False)
         try:
             server = session.serve_policy(ctx)
             chat = server.chat(CONVERSATION, max_tokens=self.max_tokens, temperature=1.0, seed=ctx.seed, logprobs=True)

@@ -97,7 +97,7 @@ class RlTrainabilityStage(Stage):
         allowed = sorted(answers)
         reward_of = torch.tensor([REWARDS[answers[t]] for t in allowed], dtype=torch.float64)
         chats = [[{"role": "user", "content": f"{q} Answer yes, no or maybe."}] for q in QUESTIONS]
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        prompts = ctx.chat_prompts(chats)
         prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
 
         model = training_model(ctx)

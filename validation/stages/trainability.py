@@ -60,10 +60,7 @@ class TrainabilityStage(Stage):
         answers = {a: ids[0] for a, ids in encoded_answers.items()}
         if answers["yes"] == answers["no"]:
             return self.failed("the tokenizer gives 'yes' and 'no' the same first token")
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-            for q, _ in QUESTIONS
-        ]
+        prompts = ctx.chat_prompts([[{"role": "user", "content": q}] for q, _ in QUESTIONS])
         encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         row = torch.tensor([t for ids in encoded for t in ids])[None]
         positions = torch.cat([torch.arange(len(ids)) for ids in encoded])[None]
