@@ -11,6 +11,8 @@ from model_support.core.layout import ConfigFields, ModelLayout, text_config
 from model_support.core.spec import HandlerSpec, LoraTarget, TargetScope, Topology
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from model_support.core.bridge_linears import MappedLinear
     from model_support.core.checkpoint import TextCheckpoint
 
@@ -24,6 +26,7 @@ SCOPE_PARENTS: dict[TargetScope, tuple[str, ...]] = {
 }
 # Checkpoints that store experts as fused 3-D tensors (Qwen3.5-MoE's) are addressed per expert by PEFT and vLLM.
 _FUSED_EXPERT_PARAMS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+_LISTED = 3  # wrongly stored tensors named one by one; the rest are counted
 
 
 def build_meta_model(config: Any) -> Any:
@@ -46,14 +49,55 @@ def _present(target: LoraTarget, hf: str, modules: set[str], params: set[str]) -
     return any(pattern.search(m) for m in modules)
 
 
-def stored_names(model: Any) -> tuple[set[str], set[str]]:
-    """(module paths, tensor names) of what a checkpoint of ``model`` stores: its state dict under transformers'
-    own reverse conversion, as ``save_pretrained`` writes it (Mixtral's ``block_sparse_moe.experts.<e>.w1`` for the
-    fused ``mlp.experts.gate_up_proj`` it builds in memory). PEFT, vLLM and the exporter address these names."""
+def stored_state(model: Any) -> dict[str, Any]:
+    """The tensors a checkpoint of ``model`` stores, by name (on the meta device for a :func:`build_meta_model`):
+    its state dict under transformers' own reverse conversion, as ``save_pretrained`` writes it (Mixtral's
+    ``block_sparse_moe.experts.<e>.w1`` for the fused ``mlp.experts.gate_up_proj`` it builds in memory). PEFT, vLLM
+    and the exporter address these names; their shapes are those the config implies."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    names = set(revert_weight_conversion(model, model.state_dict()))
+    return revert_weight_conversion(model, model.state_dict())
+
+
+def names_of(state: Iterable[str]) -> tuple[set[str], set[str]]:
+    """(module paths, tensor names) of a :func:`stored_state`."""
+    names = set(state)
     return checkpoint_modules(names), names
+
+
+def stored_names(model: Any) -> tuple[set[str], set[str]]:
+    """(module paths, tensor names) of what a checkpoint of ``model`` stores (:func:`stored_state`)."""
+    return names_of(stored_state(model))
+
+
+def stored_tensor_problems(
+    expected: Mapping[str, Any], stored: Mapping[str, tuple[Path, tuple[int, ...], str]]
+) -> tuple[list[str], int]:
+    """(problems, tensors checked): each checkpoint tensor (``stored``, as ``checkpoint.stored_tensors`` gives them)
+    named as one of ``expected`` (:func:`stored_state`) must have that tensor's shape, the shape the config implies,
+    and be stored in a floating-point dtype where that tensor is floating point. Tensors of other names (a quantized
+    checkpoint's scales, MTP layers) are the bridge's to read or ignore."""
+    from model_support.core.checkpoint import FLOAT_DTYPES
+
+    problems, checked = [], 0
+    for name, (path, shape, dtype) in stored.items():
+        want = expected.get(name)
+        if want is None:
+            continue
+        checked += 1
+        if tuple(want.shape) != shape:
+            problems.append(
+                f"{name} in {path.name} is {list(shape)}, the config implies {list(want.shape)}: the checkpoint does "
+                "not match its config.json"
+            )
+        elif want.is_floating_point() and dtype not in FLOAT_DTYPES:
+            problems.append(
+                f"{name} in {path.name} is stored as {dtype}, not as floating point: re-save the checkpoint in "
+                "BF16, F16 or F32"
+            )
+    if len(problems) > _LISTED:
+        problems[_LISTED:] = [f"{len(problems) - _LISTED} more tensor(s) of another shape or dtype"]
+    return problems, checked
 
 
 def missing_targets(spec: HandlerSpec, stored: tuple[set[str], set[str]]) -> list[str]:

@@ -4,6 +4,7 @@ coverage of every mapped LoRA linear (or its declared exclusion), MoE sizes; no 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,11 +61,8 @@ def _without(spec: HandlerSpec, megatron: str, scope: TargetScope, **changes) ->
 
 
 def _edited_config(model_dir: Path, out: Path, **fields) -> Path:
-    """A copy of a tiny replica (weights linked) whose config.json sets ``fields`` in its text config."""
-    out.mkdir()
-    for path in model_dir.iterdir():
-        (out / path.name).symlink_to(path)
-    (out / "config.json").unlink()
+    """A copy of a tiny replica whose config.json sets ``fields`` in its text config."""
+    shutil.copytree(model_dir, out)
     raw = json.loads((model_dir / "config.json").read_text())
     (raw.get("text_config") or raw).update(fields)
     (out / "config.json").write_text(json.dumps(raw))

@@ -320,13 +320,14 @@ def test_a_tensor_of_the_wrong_shape_is_named(tiny_model_dir, tmp_path: Path) ->
     key = "model.layers.0.self_attn.k_proj.weight"
     _edit_weights(model_dir, lambda t: t.__setitem__(key, torch.zeros(t[key].shape[0] + 8, t[key].shape[1]) + 0.01))
     report = tmp_path / "r.json"
-    result = run_cli("check", str(model_dir), "-s", "hf_parity", "--json", str(report))
+    result = run_cli("check", str(model_dir), "-s", "architecture", "--json", str(report), "--workdir", str(tmp_path))
     assert result.returncode == 1, result.stderr
-    parity = {r["stage"]: r for r in json.loads(report.read_text())["results"]}["hf_parity"]
-    assert parity["status"] == "fail"
-    assert "cannot convert" in parity["summary"] and key in parity["summary"]
-    assert "Traceback" not in parity["summary"] and not parity["details"]
-    assert str(model_dir) in parity["summary"]
+    found = {r["stage"]: r for r in json.loads(report.read_text())["results"]}["architecture"]
+    assert found["status"] == "fail"
+    assert found["summary"] == (
+        f"{key} in model.safetensors is [72, 64], the config implies [64, 64]: the checkpoint does not match its "
+        "config.json"
+    )
 
 
 def test_a_config_file_with_another_name_is_the_one_loaded(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from model_support.core.checkpoint import TextCheckpoint, stored_tensors, weight_files
 from model_support.core.megatron.imports import MegatronUnavailableError
 from model_support.core.spec import TargetScope
 from model_support.core.validate import (
@@ -13,7 +14,9 @@ from model_support.core.validate import (
     missing_targets,
     model_linears,
     modules_under,
-    stored_names,
+    names_of,
+    stored_state,
+    stored_tensor_problems,
     target_name_problems,
     uncovered_targets,
 )
@@ -26,7 +29,10 @@ class ArchitectureStage(Stage):
     MoE, shared expert, GDN layers) is what the handler declares; the config asks for nothing the handler's
     ``config_requirements`` refuse (a value the bridge would ignore); every declared LoRA target exists in the
     transformers model *and* is named by the checkpoint's tensors (what PEFT, vLLM and the exporter address):
-    a target the checkpoint names otherwise fails with the names expected and the names found. Against the family's
+    a target the checkpoint names otherwise fails with the names expected and the names found. Each checkpoint tensor
+    the model holds under its name has the shape the config implies and, where the model's is, a floating-point dtype
+    (the checkpoint's files themselves are checked first: :func:`~model_support.core.checkpoint.stored_tensors`
+    refuses an ambiguous, escaping or corrupt checkpoint, naming the file). Against the family's
     megatron-bridge mappings: each target's HF modules are those the mapping of its Megatron linear reads (what the
     codec writes); every LoRA linear the bridge maps in this model (attention, GDN, dense MLP, shared and routed
     experts) is a target or a ``lora_exclusions`` entry with its reason; the MoE sizes derived from the config
@@ -38,6 +44,7 @@ class ArchitectureStage(Stage):
     requires = ("dependencies",)
 
     def run(self, ctx: CheckContext) -> StageResult:
+        on_disk = stored_tensors(ctx.model_dir)  # CheckpointError (the stage fails with it) for a bad checkpoint
         layout = ctx.layout
         archs = getattr(ctx.config, "architectures", None)
         if not archs:
@@ -52,7 +59,10 @@ class ArchitectureStage(Stage):
             )
         problems = layout_problems(ctx.spec, layout) + ctx.spec.config_problems(ctx.config)
         model = build_meta_model(ctx.config)
-        stored = stored_names(model)  # what a checkpoint of the model holds, by transformers' own conversion
+        state = stored_state(model)  # what a checkpoint of the model holds, by transformers' own conversion
+        stored = names_of(state)
+        tensor_problems, tensors_checked = stored_tensor_problems(state, on_disk)
+        problems += tensor_problems
         missing = missing_targets(ctx.spec, stored)
         if missing:
             problems.append(f"target modules missing from {type(model).__name__}: {', '.join(missing)}")
@@ -71,6 +81,11 @@ class ArchitectureStage(Stage):
             "lora_targets": len(ctx.spec.hf_target_modules),
         }
         details = [f"model class {type(model).__name__}: {layout.describe()}", checked, *bridge_details]
+        if on_disk:
+            details.append(
+                f"shape (as the config implies) and floating-point dtype checked for the {tensors_checked} of the "
+                f"checkpoint's {len(on_disk)} tensors the transformers model holds"
+            )
         details.append(features_checked)
         if layout.mtp_layers and ctx.spec.runtime.disable_mtp_for_training:
             details.append(f"{layout.mtp_layers} MTP layer(s) in the config: disabled for training by policy")
@@ -84,7 +99,6 @@ class ArchitectureStage(Stage):
         HF modules are those the mapping of its Megatron linear reads; every LoRA linear the bridge maps in this model
         is targeted or excluded with a reason; the MoE sizes derived from the config match the checkpoint's shapes."""
         from model_support.core.bridge_linears import bridge_linears
-        from model_support.core.checkpoint import CheckpointError, TextCheckpoint
         from model_support.core.megatron.builder import MegatronBuildError
 
         try:
@@ -97,10 +111,9 @@ class ArchitectureStage(Stage):
         problems += covered
         if not covered:
             details.insert(0, f"every LoRA linear {bridge} maps in this model is targeted or excluded ({len(present)})")
-        try:
-            checkpoint = TextCheckpoint(ctx.model_dir)
-        except CheckpointError:
+        if not weight_files(ctx.model_dir):
             return problems, [*details, "no weights next to the config: MoE sizes not checked against tensor shapes"]
+        checkpoint = TextCheckpoint(ctx.model_dir)
         # The mappings the builder loads this checkpoint with (per-expert or stacked expert tensors).
         _, loaded = bridge_linears(ctx.config, ctx.layout, checkpoint)
         sizes, size_details = checkpoint_size_problems(ctx.spec, ctx.config, ctx.layout, loaded, checkpoint)
@@ -137,12 +150,9 @@ class ArchitectureStage(Stage):
     def _checkpoint_names(ctx: CheckContext) -> tuple[str, str | None]:
         """Check the declared targets against the tensor names in the safetensors (what PEFT, vLLM and the
         exporter address), not only transformers' module tree: (detail line, problem or None)."""
-        from model_support.core.checkpoint import CheckpointError, TextCheckpoint
-
-        try:
-            names = TextCheckpoint(ctx.model_dir).get_all_keys()
-        except CheckpointError:
+        if not weight_files(ctx.model_dir):
             return "no weights next to the config: target names checked against transformers' modules only", None
+        names = TextCheckpoint(ctx.model_dir).get_all_keys()
         modules = checkpoint_modules(names)
         missing = uncovered_targets(ctx.spec, modules, names)
         if not missing:
