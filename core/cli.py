@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -14,12 +16,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from model_support.core import api
+from model_support.core import api, progress, quiet
 from model_support.core.discovery import ModelSource, load_config, locate
 from model_support.core.errors import ModelNotFoundError, ModelSupportError
 from model_support.core.registry import Registry, load_registry, parse_preferences
 from model_support.core.serving.cli import runtime_app
 from model_support.core.spec import HandlerSpec
+from model_support.plugins.manager import PluginControlError
 from model_support.plugins.new_handler import new_handler
 from model_support.plugins.reference_docs import docs
 
@@ -42,14 +45,18 @@ class ModelDtype(StrEnum):
     fp32 = "fp32"
 
 
+# numpy's seeds stop at 2**32 - 1; the stages derive their generators' seeds from it by small offsets.
+SeedOption = Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Seed of the random weights and inputs.")]
 PreferOption = Annotated[
     list[str] | None,
     typer.Option("--prefer", help="Settle a claim conflict: ARCH=HANDLER or HANDLER (repeatable)."),
 ]
 
 
-def _registry(prefer: list[str] | None = None) -> Registry:
-    registry = load_registry(prefer=parse_preferences(",".join(prefer or [])))
+def _registry(prefer: list[str] | None = None, stages: bool = True) -> Registry:
+    """The registry, its problems and unsettled conflicts printed; ``stages=False`` for commands that need handlers
+    only (the stage modules import torch)."""
+    registry = load_registry(prefer=parse_preferences(",".join(prefer or [])), stages=stages)
     for problem in registry.problems:
         err.print(f"[yellow]warning:[/] {problem}")
     for arch, claimants in registry.conflicts().items():
@@ -74,7 +81,7 @@ def spec_to_dict(spec: HandlerSpec) -> dict[str, Any]:
 @app.command("list")
 def list_handlers(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """List the installed handlers and the plugins that provide them."""
-    registry = _registry()
+    registry = _registry(stages=False)
     rows = [
         {
             "handler": h.spec.name,
@@ -108,7 +115,7 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show a handler's whole declaration."""
-    entry = _registry().get(name)
+    entry = _registry(stages=False).get(name)
     data = spec_to_dict(entry.spec) | {"plugin": dataclasses.asdict(entry.plugin)}
     if as_json:
         print(json.dumps(data, indent=2, default=str))
@@ -158,6 +165,33 @@ def stages() -> None:
     console.print(table)
 
 
+@contextmanager
+def _written(out: Path) -> Iterator[None]:
+    """A write that fails (a full disk, a quota, a file size limit) as a one-line error; ``staged_dir`` has removed
+    what was half-written by then."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:  # safetensors reports a failed write as its own error
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelSupportError(
+            f"cannot write {out} ({reason}); free space there or choose another directory"
+        ) from None
+
+
+def _check_preferred(prefer: list[str] | None, registry: Registry, source: ModelSource) -> None:
+    """A bare ``--prefer HANDLER`` must name a handler that claims one of the model's architectures: otherwise it
+    settles nothing for this model and the user meant another."""
+    for key, name in parse_preferences(",".join(prefer or [])).items():
+        claimed = registry.handlers[name].spec.architectures
+        if key.startswith("*") and not set(claimed) & set(source.architectures):
+            raise PluginControlError(
+                f"--prefer {name}: handler {name} claims {', '.join(claimed)}, none of {source.config_file}'s "
+                f"architectures ({', '.join(source.architectures) or 'none'}); drop it or name a handler that does"
+            )
+
+
 def source_for(target: str, registry: Registry, tiny: bool) -> ModelSource:
     """Locate ``target``; under ``--tiny`` a handler name or architecture uses its reference config."""
     try:
@@ -180,7 +214,7 @@ def source_for(target: str, registry: Registry, tiny: bool) -> ModelSource:
 def tiny(
     target: Annotated[str, typer.Argument(help="Model dir, config.json, cached hub id, handler or architecture.")],
     out: Annotated[Path, typer.Argument(help="Directory to write the replica to.")],
-    seed: int = 0,
+    seed: SeedOption = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it is not empty.")] = False,
 ) -> None:
     """Build a tiny random replica of a model's architecture (weights, config, chat tokenizer)."""
@@ -191,7 +225,7 @@ def tiny(
     source = source_for(target, registry, tiny=True)
     handler = api.resolve(source, registry=registry)
     check_out_dir(out, overwrite)
-    with staged_dir(out) as tmp:
+    with _written(out), staged_dir(out) as tmp:
         build_tiny(source.raw_config, tmp, seed=seed, spec=handler.spec)
     console.print(f"tiny replica of {source.architectures[0]} written to {out}")
 
@@ -211,7 +245,7 @@ def check(
         typer.Option(help="Keep artifacts (tiny model, exports, server logs) here, one subdirectory per run."),
     ] = None,
     prefer: PreferOption = None,
-    seed: int = 0,
+    seed: SeedOption = 0,
     dtype: Annotated[
         ModelDtype | None,
         typer.Option(help="dtype of the Megatron model under test (default: bf16 on a GPU, fp32 on a CPU)."),
@@ -224,6 +258,12 @@ def check(
             "MoE: ep2,etp2,tp2-sp,pp2,pp2-vp2,cp2,tp2-sp-ep2,ep2-pp2 (those the model's depth splits into)."
         ),
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Show each stage's metrics with their limits, memory peaks and details under it."
+        ),
+    ] = False,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
     from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
@@ -241,39 +281,52 @@ def check(
     chosen_layouts = parse_layouts(layouts) if layouts else None
     registry = _registry(prefer)
     source = source_for(target, registry, tiny)
+    _check_preferred(prefer, registry, source)
     handler = api.resolve(source, registry=registry)
     stages_to_run = plan([s.stage for s in registry.stages], stage)
+    if not tiny:
+        from model_support.core.checkpoint import stored_tensors
+
+        # An ambiguous, escaping or corrupt checkpoint is refused before a run starts (its headers only).
+        stored_tensors(source.directory)
     work = start_run_dir(workdir)
     report = None
-    try:
-        if tiny:
-            from model_support.core.tiny import build_tiny
+    # Long steps show progress on stderr; known third-party warnings are hidden, and counted in the report.
+    with progress.shown_on(err), quiet.hidden_noise() as hidden:
+        try:
+            if tiny:
+                from model_support.core.tiny import build_tiny
 
-            model_dir = build_tiny(source.raw_config, work / "tiny-model", seed=seed, spec=handler.spec)
-            source = locate(str(model_dir))
-        config = load_config(source)
-        ctx = CheckContext(
-            target=target,
-            model_dir=source.directory,
-            handler=handler,
-            config=config,
-            layout=handler.spec.layout(config),
-            registry=registry,
-            workdir=work,
-            tiny=tiny,
-            seed=seed,
-            dtype=None if dtype is None else dtype.value,
-            layouts=chosen_layouts,
-        )
-        err.print(f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}")
-        report = run_checks(ctx, stages_to_run, on_result=_print_progress)
-    finally:
-        # A --workdir run keeps its files; a temporary one keeps them only when a stage failed (logs to read).
-        keep = workdir is not None or (report is not None and report.exit_code != 0)
-        finish_run_dir(work, keep=keep)
+                with progress.step("building the tiny replica"):
+                    model_dir = build_tiny(source.raw_config, work / "tiny-model", seed=seed, spec=handler.spec)
+                source = locate(str(model_dir))
+            # In the run: transformers' import writes a compile cache under TMPDIR, which the run dir now holds.
+            config = load_config(source)
+            ctx = CheckContext(
+                target=target,
+                model_dir=source.directory,
+                handler=handler,
+                config=config,
+                layout=handler.spec.layout(config),
+                registry=registry,
+                workdir=work,
+                tiny=tiny,
+                seed=seed,
+                dtype=None if dtype is None else dtype.value,
+                layouts=chosen_layouts,
+            )
+            checking = f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}"
+            err.print(checking, markup=False, highlight=False, soft_wrap=True)
+            report = run_checks(ctx, stages_to_run, on_result=_print_progress)
+        finally:
+            # A finished --workdir run keeps its files; a temporary one keeps them only when a stage failed (logs to
+            # read). A run refused (a config transformers rejects) or interrupted leaves nothing.
+            keep = report is not None and (workdir is not None or report.exit_code != 0)
+            finish_run_dir(work, keep=keep)
     if keep:
-        err.print(f"artifacts and logs of this run: {work}")
-    render_terminal(report, console)
+        err.print(f"artifacts and logs of this run: {work}", markup=False, highlight=False, soft_wrap=True)
+    report.suppressed_warnings = dict(hidden)
+    render_terminal(report, console, verbose=verbose)
     write_reports(report, json_out, markdown_out, junit_out)
     raise typer.Exit(report.exit_code)
 
@@ -329,7 +382,7 @@ def replica(
     device: Annotated[
         Literal["auto", "cpu", "cuda"], typer.Option(help="Where to build it; auto: CUDA when available.")
     ] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    seed: SeedOption = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT when it is not empty.")] = False,
 ) -> None:
     """Build a random model at a real config's width, cutting only its depth and expert count.
@@ -345,17 +398,18 @@ def replica(
     registry = _registry()
     source = source_for(target, registry, tiny=True)
     handler = api.resolve(source, registry=registry)
-    info = build_replica(
-        source.raw_config,
-        out,
-        layers=layers,
-        experts=experts,
-        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-        device=device,
-        seed=seed,
-        overwrite=overwrite,
-        fields=handler.spec.config_fields,
-    )
+    with _written(out):
+        info = build_replica(
+            source.raw_config,
+            out,
+            layers=layers,
+            experts=experts,
+            dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+            device=device,
+            seed=seed,
+            overwrite=overwrite,
+            fields=handler.spec.config_fields,
+        )
     console.print(info.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
@@ -364,11 +418,17 @@ app.command("docs")(docs)
 
 
 def main() -> None:
+    from model_support.core.interrupt import Interrupted, install
+
+    install()  # SIGINT, SIGTERM and SIGHUP unwind the command (children stopped, run directory removed)
     try:
         app()
     except ModelSupportError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except Interrupted as exc:
+        err.print(str(exc), markup=False, highlight=False)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

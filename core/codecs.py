@@ -40,9 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ModelSupportError
 from model_support.core.layout import ModelLayout, text_config
@@ -70,8 +68,12 @@ _HF_LAYERS = "model.layers."
 # A layer or expert number inside a parameter name: the split of a mapping does not depend on it.
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
-# (role in the mapping's ``hf_param``, fused rows of that HF tensor); role "" for a mapping with one HF tensor.
-_RowSplit = list[tuple[str, torch.Tensor]]
+if TYPE_CHECKING:  # torch is imported where tensors are handled: a handler declaring its codec stays light
+    import torch
+
+    # (role in the mapping's ``hf_param``, fused rows of that HF tensor); role "" for a mapping with one HF tensor.
+    _RowSplit = list[tuple[str, torch.Tensor]]
+
 # A stacked expert tensor (gpt-oss's ``experts.gate_up_proj`` [experts, in, out]) under the decoder layers.
 _STACKED = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<path>.+\.experts)\.(?P<param>\w+)$")
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -203,6 +205,8 @@ class _Family:
         return self.splits[key]
 
     def _derive(self, mapping: Any, rows: int, cols: int) -> _RowSplit:
+        import torch
+
         module, kind = mapping.megatron_param.removesuffix(_WEIGHT), type(mapping).__name__
         # Every row holds its index (a broadcast view: memory only where the mapping itself copies rows).
         probe = torch.arange(rows, dtype=torch.int32).unsqueeze(1).expand(rows, cols)
@@ -261,6 +265,8 @@ def _stacked_params(config: Any, mappings: list[Any]) -> tuple[str, ...]:
 def stack_experts(factors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert LoRA factors (A_e [r, in], B_e [out, r], expert by expert) as PEFT's LoRA of a stacked tensor:
     A [r * E, in] expert by expert, B [out, r * E] with expert e's rank k in column k * E + e."""
+    import torch
+
     return torch.cat([a for a, _ in factors]), torch.stack([b for _, b in factors], dim=-1).flatten(1)
 
 
@@ -362,6 +368,8 @@ class BridgeLoraCodec:
         self, tensors: Mapping[str, torch.Tensor], config: Any, layout: ModelLayout
     ) -> dict[str, torch.Tensor]:
         """PEFT tensors -> Megatron LoRA tensors (canonical layout); the exact inverse of :meth:`to_peft`."""
+        import torch
+
         family = self._family(config)
         peft_key = re.compile(rf"^{re.escape(PEFT_PREFIX + family.layers_prefix)}(\d+\..+)\.lora_([AB])\.weight$")
         tensors, out = self._from_stacked(family, tensors, layout)

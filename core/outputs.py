@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from model_support.core.errors import ModelSupportError
+from model_support.core.serving.process import stop_all, temp_env
 
 
 class OutputPathError(ModelSupportError):
@@ -111,10 +112,20 @@ def check_workdir(path: Path) -> None:
 
 
 RUN_PREFIX = "model-support-run-"
-_OWNER = ".owner-pid"  # present while the run that made the directory is alive
+_OWNER = ".owner-pid"  # present while the run that made the directory is alive: "PID START_TICKS"
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot, from /proc; None when there is no such process): with
+    the PID, this names one process, also after the PID is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -124,38 +135,73 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _owner_alive(marker: str) -> bool:
+    """Whether the process a run directory's marker names still runs (a bare PID: any process with that PID)."""
+    pid, _, started = marker.strip().partition(" ")
+    now = _started(int(pid))
+    if now is None:  # gone, or not ours to see (/proc mounted with hidepid)
+        return _exists(int(pid))
+    return not started or now == started
+
+
 def clean_dead_runs(parent: Path) -> list[Path]:
-    """Remove the run directories under ``parent`` whose run died without finishing (e.g. ``kill -9``)."""
+    """Remove the run directories under ``parent`` whose run died without finishing (e.g. ``kill -9``): their
+    children's temporary files go with them (see ``ManagedProcess``)."""
     removed = []
     for candidate in parent.glob(f"{RUN_PREFIX}*"):
         marker = candidate / _OWNER
         try:
-            pid = int(marker.read_text())
+            alive = _owner_alive(marker.read_text())
         except (OSError, ValueError):
             continue  # finished runs drop the marker; what they kept stays
-        if not _alive(pid):
+        if not alive:
             shutil.rmtree(candidate, ignore_errors=True)
             removed.append(candidate)
     return removed
+
+
+_TMP = "tmp"  # the run's own temporary directory (this process's while the run lives)
+_saved_temp: dict[Path, tuple[dict[str, str | None], str | None]] = {}
 
 
 def start_run_dir(workdir: Path | None) -> Path:
     """A fresh directory that this run owns: under ``workdir`` when given, else in the system's temp directory.
 
     Each run gets its own (timestamp and PID in the name), so runs in one ``--workdir`` never share files and a
-    re-run never meets the last one's exports. Directories of runs that died are removed first.
+    re-run never meets the last one's exports. Directories of runs that died are removed first. Until
+    :func:`finish_run_dir`, this process's temporary files (``TMPDIR``, :mod:`tempfile`, torch's compile cache) go
+    to the run's ``tmp/``, and so do those of the children it starts (``ManagedProcess`` gives each its own).
     """
     parent = workdir if workdir is not None else Path(tempfile.gettempdir())
     clean_dead_runs(parent)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{stamp}-{os.getpid()}-", dir=parent))
-    (run_dir / _OWNER).write_text(str(os.getpid()))
+    (run_dir / _OWNER).write_text(f"{os.getpid()} {_started(os.getpid())}")
+    tmp = run_dir / _TMP
+    tmp.mkdir()
+    redirect = temp_env(tmp)
+    _saved_temp[run_dir] = ({name: os.environ.get(name) for name in redirect}, tempfile.tempdir)
+    os.environ.update(redirect)
+    tempfile.tempdir = str(tmp)  # gettempdir() caches its first answer
     return run_dir
 
 
 def finish_run_dir(run_dir: Path, *, keep: bool) -> None:
-    """Remove ``run_dir``, or keep it (no longer marked as a live run's) when its files are worth reading."""
+    """Remove ``run_dir``, or keep it (no longer marked as a live run's) when its files are worth reading; its
+    temporary files go either way, and this process's temporary directory is the one it had before the run.
+
+    The children still running are stopped first (a command runs one run, and its children write in its directory):
+    those a stage leaked, or whose stop an interrupt cut short."""
+    stop_all()
+    environ, tempdir = _saved_temp.pop(run_dir, ({}, tempfile.tempdir))
+    for name, value in environ.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = tempdir
     if keep:
+        shutil.rmtree(run_dir / _TMP, ignore_errors=True)
         (run_dir / _OWNER).unlink(missing_ok=True)
     else:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -67,13 +67,20 @@ class Registry:
     # ------------------------------------------------------------------ building
     @classmethod
     def from_plugins(cls, loaded: LoadedPlugins, preferences: Mapping[str, str] | None = None) -> Registry:
+        """The handlers and the validation stages the ``loaded`` plugins declare."""
+        reg = cls.handlers_of(loaded, preferences)
+        for impl in loaded.manager.hook.model_support_stages.get_hookimpls():
+            reg._add_stages(loaded.plugins[impl.plugin_name], impl.function)
+        return reg
+
+    @classmethod
+    def handlers_of(cls, loaded: LoadedPlugins, preferences: Mapping[str, str] | None = None) -> Registry:
+        """The handlers alone, its ``stages`` left empty: the stage hooks are not called (stage modules import
+        torch), so ``list`` and ``show`` stay fast."""
         reg = cls(preferences=dict(preferences or {}), plugins=dict(loaded.plugins))
         reg.problems.extend(b.message() for b in loaded.broken)
-        hook = loaded.manager.hook
-        for impl in hook.model_support_handlers.get_hookimpls():
+        for impl in loaded.manager.hook.model_support_handlers.get_hookimpls():
             reg._add_handlers(loaded.plugins[impl.plugin_name], impl.function)
-        for impl in hook.model_support_stages.get_hookimpls():
-            reg._add_stages(loaded.plugins[impl.plugin_name], impl.function)
         return reg
 
     def _call(self, plugin: PluginInfo, function: Any, what: str) -> list[Any] | None:
@@ -182,6 +189,11 @@ class Registry:
                     f"{source} names architecture {key}, which no installed handler claims; "
                     f"claimed: {', '.join(sorted(self.claims)) or 'none'}"
                 )
+            if not key.startswith("*") and handler not in (c.spec.name for c in self.claims[key]):
+                raise PluginControlError(
+                    f"{source} prefers handler {handler} for {key}, which it does not claim; "
+                    f"claimed by: {', '.join(c.spec.name for c in self.claims[key])}"
+                )
 
     def get(self, name_or_arch: str) -> RegisteredHandler:
         """A handler by its name or by an architecture it claims."""
@@ -195,14 +207,18 @@ class Registry:
         )
 
 
-def load_registry(env: Mapping[str, str] | None = None, prefer: Mapping[str, str] | None = None) -> Registry:
-    """Load every allowed plugin and build the registry.
+def load_registry(
+    env: Mapping[str, str] | None = None, prefer: Mapping[str, str] | None = None, *, stages: bool = True
+) -> Registry:
+    """Load every allowed plugin and build the registry; ``stages=False`` leaves the stages out
+    (:meth:`Registry.handlers_of`).
 
     Preferences come from ``MODEL_SUPPORT_PREFER`` and, taking precedence, ``prefer``.
     """
     environ = dict(env if env is not None else os.environ)
     from_env = parse_preferences(environ.get(PREFER_ENV, ""))
-    registry = Registry.from_plugins(load_plugins(environ), {**from_env, **(prefer or {})})
+    build = Registry.from_plugins if stages else Registry.handlers_of
+    registry = build(load_plugins(environ), {**from_env, **(prefer or {})})
     registry.check_preferences(from_env, PREFER_ENV)
     registry.check_preferences(prefer or {}, "--prefer")
     return registry

@@ -303,7 +303,14 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0, spec: H
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     randomize_zero_init(model, float(getattr(text_config(config), "initializer_range", 0.02)))
-    model.save_pretrained(out_dir)
+    # A tiny model is one small shard: transformers' "Writing model shards" bar would only interrupt the output.
+    shown = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if shown:
+            transformers.utils.logging.enable_progress_bar()
     return out_dir
 
 

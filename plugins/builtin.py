@@ -6,7 +6,6 @@ from model_support.core.spec import HandlerSpec
 from model_support.handlers import BUILTIN_HANDLERS
 from model_support.plugins import hookimpl
 from model_support.validation.stage import Stage
-from model_support.validation.stages import BUILTIN_STAGES
 
 
 @hookimpl
@@ -16,6 +15,9 @@ def model_support_handlers() -> Sequence[HandlerSpec]:
 
 @hookimpl
 def model_support_stages() -> Sequence[type[Stage]]:
+    # Imported when the stages are asked for: their modules import torch, which `list` and `show` never need.
+    from model_support.validation.stages import BUILTIN_STAGES
+
     return list(BUILTIN_STAGES)
 
 

@@ -2,12 +2,19 @@
 
 A plugin that fails to import, or whose module is not a valid plugin, is recorded as broken and
 skipped; the others keep working. ``MODEL_SUPPORT_PLUGINS`` (comma-separated entry-point names)
-restricts which plugins load.
+restricts which plugins load. A plugin whose import takes longer than :data:`SLOW_IMPORT_S` is named on stderr
+while it loads (``still importing plugin 'x' from distribution y (3 s)``), then every :data:`SLOW_IMPORT_REPEAT_S`:
+a plugin that blocks at import hangs every command, and this says which one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -17,6 +24,8 @@ from model_support.core.errors import ModelSupportError
 from model_support.plugins import hookspecs
 
 PLUGINS_ENV = "MODEL_SUPPORT_PLUGINS"
+SLOW_IMPORT_S = 3.0
+SLOW_IMPORT_REPEAT_S = 10.0
 
 
 class PluginControlError(ModelSupportError):
@@ -65,8 +74,43 @@ def _distribution(ep: metadata.EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"], dist.version
 
 
-def load_plugins(env: dict[str, str] | None = None) -> LoadedPlugins:
-    """Create a plugin manager with every allowed entry point of group ``model_support`` registered."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _named_while_slow(name: str, distribution: str, after_s: float, notice: Callable[[str], None]) -> Iterator[None]:
+    """Call ``notice`` with a line naming the plugin if the block is still running after ``after_s`` seconds, and
+    again every :data:`SLOW_IMPORT_REPEAT_S` until it ends (a daemon thread: a hung import can still be interrupted)."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def watch() -> None:
+        wait = after_s
+        while not done.wait(wait):
+            elapsed = time.monotonic() - start
+            notice(f"still importing plugin {name!r} from distribution {distribution} ({elapsed:.0f} s)")
+            wait = SLOW_IMPORT_REPEAT_S
+
+    watcher = threading.Thread(target=watch, name=f"plugin-import-{name}", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def load_plugins(
+    env: dict[str, str] | None = None,
+    *,
+    slow_after_s: float = SLOW_IMPORT_S,
+    notice: Callable[[str], None] = _to_stderr,
+) -> LoadedPlugins:
+    """Create a plugin manager with every allowed entry point of group ``model_support`` registered.
+
+    ``notice`` gets the line naming a plugin whose import is still running after ``slow_after_s`` seconds.
+    """
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
     loaded = LoadedPlugins(manager=manager)
@@ -82,7 +126,8 @@ def load_plugins(env: dict[str, str] | None = None) -> LoadedPlugins:
             loaded.filtered_out.append(ep.name)
             continue
         try:
-            plugin = ep.load()
+            with _named_while_slow(ep.name, dist_name, slow_after_s, notice):
+                plugin = ep.load()
             manager.register(plugin, name=ep.name)
         except Exception as exc:  # a third party's import error must not take the others down
             loaded.broken.append(BrokenPlugin(ep.name, dist_name, f"{type(exc).__name__}: {exc}"))

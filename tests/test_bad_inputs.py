@@ -492,3 +492,50 @@ def test_a_chat_template_renders_as_the_tokenizer_does(tiny_model_dir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
     expected = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     assert ctx.chat_prompts(chats) == expected
+
+
+def test_tiny_where_writing_fails_leaves_nothing(tmp_path: Path) -> None:
+    """A write that fails midway (here a file size limit, as a full disk fails it) is one line and no half replica."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of the signal killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    out = tmp_path / "replica"
+    result = subprocess.run(
+        [sys.executable, "-m", "model_support.core.cli", "tiny", "qwen3", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        preexec_fn=small_files,
+        timeout=900,
+    )
+    line = _one_line_error(result)
+    assert line.startswith(f"error: cannot write {out} (") and "File too large" in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_seed_out_of_range_is_refused_before_anything_runs() -> None:
+    result = run_cli("check", "qwen3", "--tiny", "--seed", str(2**40))
+    assert result.returncode == 2 and "Invalid value for '--seed'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_bare_prefer_that_claims_nothing_of_the_model(tmp_path: Path) -> None:
+    line = _one_line_error(run_cli("check", "qwen3", "--tiny", "-s", "dependencies", "--prefer", "qwen3.5"))
+    assert line.startswith("error: --prefer qwen3.5: handler qwen3.5 claims Qwen3_5ForConditionalGeneration")
+    assert line.endswith("(Qwen3ForCausalLM); drop it or name a handler that does")
+
+
+def test_a_config_transformers_rejects_leaves_no_run_directory(tmp_path: Path) -> None:
+    """transformers' own validation runs before a run directory is made (--workdir would keep it)."""
+    config = _write_config(tmp_path, _with(QWEN3, rope_parameters={"rope_type": "yarn"}))  # YaRN needs a factor
+    work = tmp_path / "work"
+    line = _one_line_error(run_cli("check", str(config), "-s", "architecture", "--workdir", str(work)))
+    assert "cannot load" in line
+    assert not work.exists() or not any(work.iterdir())

@@ -1,24 +1,24 @@
 """Worker of the ``parallel_parity`` stage: one ``torchrun`` job per handler, every layout in turn.
 
 Run as ``python -m torch.distributed.run --nproc_per_node W -m model_support.validation.parallel_worker OUT MODEL_DIR
-HANDLER single,tp2,...``. For each layout the job builds the model through the training-time API in that layout
-(the rest of the world is data parallel, every rank fed the same tokens), loads the same canonical random LoRA,
-runs one forward and backward through ``api.forward_backward`` (megatron-core's schedule for the layout, two
-micro-batches), reduces the gradients as a trainer does (``api.reduce_lora_grads``), takes one SGD step on the LoRA,
-and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, each router's top-k expert sets (every
-token, in sequence order), the PEFT adapter the handler's codec exports before and after the step, the merged HF
-weights after it (``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions
-each; not under context parallelism, which needs THD attention for packed rows), the adapter ``api.apply_lora``
-draws (its seed makes it one canonical adapter in every layout), and the trainer's scoring calls
-(``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are from rank 0's. ``single`` (one
-rank's model, the rest data parallel) is the oracle the stage compares every other layout with. A rank's error goes to
-``OUT/<layout>.rank<R>.error``.
+HANDLER single,tp2,... [--mutation NAME]`` (``--mutation``: the selftest's bug, which the stage passes on only while
+``model-support selftest`` injects it in the parent). For each layout the job builds the model through the training-time
+API in that layout (the rest of the world is data parallel, every rank fed the same tokens), loads the same canonical
+random LoRA, runs one forward and backward through ``api.forward_backward`` (megatron-core's schedule for the layout,
+two micro-batches), reduces the gradients as a trainer does (``api.reduce_lora_grads``), takes one SGD step on the LoRA,
+and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, each router's top-k expert sets (every token,
+in sequence order), the PEFT adapter the handler's codec exports before and after the step, the merged HF weights after
+it (``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions each; not under
+context parallelism, which needs THD attention for packed rows), the adapter ``api.apply_lora`` draws (its seed makes it
+one canonical adapter in every layout), and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``)
+with how far any rank's rows are from rank 0's. ``single`` (one rank's model, the rest data parallel) is the oracle the
+stage compares every other layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -37,7 +37,7 @@ from model_support.core.megatron.lora import load_lora_state, lora_state, random
 from model_support.core.megatron.rows import RowLayout
 from model_support.core.precision import exact_fp32
 from model_support.core.registry import load_registry
-from model_support.validation.selftest import MUTATION_ENV, injected
+from model_support.validation.selftest import injected
 
 SEED = 3
 LR = 0.5
@@ -196,16 +196,20 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> 
 
 
 def main(argv: list[str]) -> None:
-    out_dir, model_dir, handler_name, layouts = Path(argv[0]), Path(argv[1]), argv[2], argv[3].split(",")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    parser = argparse.ArgumentParser(prog="parallel_worker")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("handler")
+    parser.add_argument("layouts", help="comma-separated, `single` first")
+    parser.add_argument("--mutation", help="the selftest's bug to inject (passed on by the stage under selftest)")
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(exact_fp32())  # the layouts are built in fp32 and held to fixed fp32 tolerances
-        # `model-support selftest` injects its bug into these processes too.
-        mutation = os.environ.get(MUTATION_ENV)
-        if mutation:
-            stack.enter_context(injected(mutation))
-        for name in layouts:
-            _run_reporting(out_dir, model_dir, handler_name, name)
+        if args.mutation:
+            stack.enter_context(injected(args.mutation))
+        for name in args.layouts.split(","):
+            _run_reporting(args.out_dir, args.model_dir, args.handler, name)
 
 
 def _run_reporting(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> None:

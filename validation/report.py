@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from rich.padding import Padding
+from rich.rule import Rule
+from rich.text import Text
 
 from model_support.validation.runner import Report
 from model_support.validation.stage import StageResult, Status
@@ -56,28 +57,74 @@ def _has_lifetime_peak(report: Report) -> bool:
     return any(r.peak_host_lifetime for r in report.results)
 
 
-def render_terminal(report: Report, console: Console) -> None:
-    show_gpu = _shows_gpu(report)
-    table = Table(title=f"model-support check: {report.target} -> {report.handler} ({report.handler_origin})")
-    table.add_column("stage")
-    table.add_column("status")
-    table.add_column("time", justify="right")
-    if show_gpu:
-        table.add_column("gpu peak", justify="right")
-    table.add_column("host peak", justify="right")
-    table.add_column("result")
-    for r in report.results:
-        # Summaries quote packages and vLLM's words ("model-support[megatron]"): never read them as markup.
-        text = escape(r.summary) + (f"\n[dim]{escape(metrics_line(r))}[/dim]" if r.metrics else "")
-        memory = [_gpu_cell(r)] if show_gpu else []
-        table.add_row(
-            r.stage, f"[{_STYLE[r.status]}]{r.status}[/]", f"{r.duration_s:.1f}s", *memory, _host_cell(r), text
-        )
-    console.print(table)
-    if _has_lifetime_peak(report):
-        console.print(f"[dim]{_LIFETIME_NOTE}[/dim]")
+# Below this console width the peak-memory columns leave the terminal table (they stay in verbose lines, JSON,
+# Markdown and JUnit), so that an 80-column terminal or a CI log keeps room for each stage's summary.
+_WIDE = 120
+
+
+def _verbose_lines(result: StageResult, summary_shown: bool) -> list[str]:
+    """What ``check --verbose`` shows under a stage: the summary where its line cut it, the metrics (with their
+    limits), memory peaks and details."""
+    lines = [] if summary_shown else [result.summary]
+    for key, value in result.metrics.items():
+        limit = result.thresholds.get(key)
+        lines.append(f"{key} = {_fmt(value)}" + (f"  (<= {_fmt(limit)})" if limit is not None else ""))
+    if result.peak_gpu_mib is not None:
+        lines.append(f"gpu peak {_gpu_cell(result)}")
+    if result.peak_host_mib is not None:
+        lines.append(f"host peak {_host_cell(result)}")
+    return lines + list(result.details)
+
+
+def render_terminal(report: Report, console: Console, verbose: bool = False) -> None:
+    """The report as one line per stage: stage, status, time and its summary, cut to the console's width.
+
+    A console at least ``_WIDE`` columns wide also gets the peak-memory columns. ``verbose`` adds each stage's
+    metrics with their limits, memory peaks and details under its line, indented and wrapped to the width.
+    """
+    show_memory = console.width >= _WIDE
+    show_gpu = show_memory and _shows_gpu(report)
+    header = ["stage", "status", "time"] + ["gpu peak"] * show_gpu + ["host peak"] * show_memory
+    rows = [
+        [r.stage, str(r.status), f"{r.duration_s:.1f}s"] + [_gpu_cell(r)] * show_gpu + [_host_cell(r)] * show_memory
+        for r in report.results
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+
+    def cells(values: list[str], styles: list[str]) -> Text:
+        """The fixed columns, two spaces apart: stage and status left-aligned, the numbers right-aligned."""
+        line = Text()
+        for i, (value, width, style) in enumerate(zip(values, widths, styles, strict=True)):
+            line.append((value.ljust if i < 2 else value.rjust)(width) + "  ", style=style)
+        return line
+
+    console.print(
+        Text(f"model-support check: {report.target} -> {report.handler} ({report.handler_origin})", style="bold")
+    )
+    console.print(cells(header, ["bold"] * len(header)).append("result", style="bold"), no_wrap=True, crop=True)
+    console.print(Rule(style="dim"))
+    for r, row in zip(report.results, rows, strict=True):
+        # Summaries quote packages and vLLM's words ("model-support[megatron]"): Text, never read as markup.
+        line = cells(row, ["", _STYLE[r.status], *[""] * (len(row) - 2)]).append(r.summary)
+        console.print(line, no_wrap=True, overflow="ellipsis")
+        if verbose:
+            for extra in _verbose_lines(r, summary_shown=line.cell_len <= console.width):
+                console.print(Padding(Text(extra, style="dim"), (0, 0, 0, 4), expand=False))
+    if (show_memory or verbose) and _has_lifetime_peak(report):
+        console.print(Text(_LIFETIME_NOTE, style="dim"))
     counts = report.counts()
-    console.print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped  ({report.layout})")
+    console.print(
+        f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped  ({report.layout})",
+        markup=False,
+        highlight=False,
+    )
+    hidden = sum(report.suppressed_warnings.values())
+    if hidden:
+        plural = "s" if hidden != 1 else ""
+        console.print(
+            Text(f"{hidden} known third-party warning{plural} hidden (counted by message in the --json report)"),
+            style="dim",
+        )
 
 
 def to_json(report: Report) -> str:

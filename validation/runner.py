@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
+from model_support.core import progress
 from model_support.core.errors import ModelSupportError
 from model_support.core.precision import exact_fp32
 from model_support.validation.context import CheckContext
@@ -36,6 +37,8 @@ class Report:
     results: list[StageResult] = field(default_factory=list)
     started: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     environment: dict[str, str] = field(default_factory=dict)
+    # Known third-party warnings hidden from the terminal during the run (core/quiet.py): message pattern -> count.
+    suppressed_warnings: dict[str, int] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[StageResult]:
@@ -60,6 +63,7 @@ class Report:
             "environment": self.environment,
             "counts": self.counts(),
             "results": [r.to_dict() for r in self.results],
+            "suppressed_warnings": self.suppressed_warnings,
         }
 
 
@@ -136,7 +140,9 @@ def run_checks(
 ) -> Report:
     """Run ``stages`` (already planned) against ``ctx`` and collect a report.
 
-    Every stage, also one that skips or fails, is timed and its peak memory measured (``MemoryProbe``).
+    Every stage, also one that skips or fails, is timed and its peak memory measured (``MemoryProbe``). Each stage
+    is a progress step while it runs (``core/progress.py``: shown by the ``check`` command); ``on_result`` gets its
+    result when it ends.
     """
     report = Report(
         target=ctx.target,
@@ -152,7 +158,8 @@ def run_checks(
         # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
         with exact_fp32(ctx.dtype == "fp32"):
             for stage_cls in stages:
-                with MemoryProbe() as memory:
+                # Indented like the check's line per finished stage, which also says how it ended.
+                with progress.step(stage_cls.name, indent=2, end_line=False), MemoryProbe() as memory:
                     start = time.perf_counter()
                     result = _run_one(stage_cls(), ctx, done)
                     result.duration_s = time.perf_counter() - start

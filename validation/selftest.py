@@ -20,6 +20,8 @@ from unittest import mock
 
 import torch
 
+from model_support.core.errors import ModelSupportError
+
 
 @dataclass(frozen=True)
 class Mutation:
@@ -550,26 +552,35 @@ MUTATIONS: tuple[Mutation, ...] = (
              "lora_gradients", _lora_b_grad_unscaled),
 )  # fmt: skip
 
-# Set while a mutation runs, so that the stages' worker processes (parallel_parity's torchrun job) inject it too.
-MUTATION_ENV = "MODEL_SUPPORT_SELFTEST_MUTATION"
+_active: str | None = None  # the mutation injected in this process now (see `injected`)
+
+
+def mutation_named(name: str) -> Mutation:
+    """The catalogue's mutation ``name`` (a one-line error naming the known ones when there is none)."""
+    for m in MUTATIONS:
+        if m.name == name:
+            return m
+    raise ModelSupportError(f"unknown mutation {name!r}; known: {', '.join(m.name for m in MUTATIONS)}")
 
 
 @contextmanager
 def injected(name: str) -> Iterator[None]:
-    """The mutation ``name`` in this process and in every process it starts while the context is open."""
-    import os
-
-    mutation = next(m for m in MUTATIONS if m.name == name)
-    previous = os.environ.get(MUTATION_ENV)
-    os.environ[MUTATION_ENV] = name
+    """The mutation ``name`` in this process while the context is open. Stages that start worker processes
+    (parallel_parity's torchrun job) pass :func:`active_mutation` on to them explicitly, so a bug is only ever
+    injected by the selftest, never by something in the user's environment."""
+    global _active
+    mutation = mutation_named(name)
+    previous, _active = _active, name
     try:
         with mutation.patch():
             yield
     finally:
-        if previous is None:
-            os.environ.pop(MUTATION_ENV, None)
-        else:
-            os.environ[MUTATION_ENV] = previous
+        _active = previous
+
+
+def active_mutation() -> str | None:
+    """The mutation :func:`injected` holds open in this process (None: none)."""
+    return _active
 
 
 # --- running them --------------------------------------------------------------------------------------------------
@@ -586,7 +597,6 @@ def run_selftest(
     workdir: Path, names: Sequence[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None
 ) -> list[Outcome]:
     """Clean runs, then every selected mutation (all when ``names`` is empty), in catalogue order."""
-    from model_support.core.errors import ModelSupportError
     from model_support.core.serving.session import backend
 
     chosen = [m for m in MUTATIONS if not names or m.name in names]

@@ -10,10 +10,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from model_support.core import progress
 from model_support.core.serving.runtime import DISTRIBUTIONS, detect_flavor, install_runtime, load_runtime, runtime_root
 
 runtime_app = typer.Typer(help="Install and inspect the separate vLLM runtime (its own venv).", no_args_is_help=True)
 console = Console()
+err = Console(stderr=True)
 
 
 @runtime_app.command("install")
@@ -29,8 +31,9 @@ def install(
         raise typer.BadParameter(f"flavor must be one of {', '.join(DISTRIBUTIONS)}, got {chosen!r}")
     target = root or runtime_root()
     dist, default = DISTRIBUTIONS[chosen]
-    console.print(f"installing {dist} {version or default} into {target} ...")
-    info = install_runtime(target, chosen, version, python)  # type: ignore[arg-type]
+    # Each pip step shows its progress on stderr (a spinner on a terminal, a line at its start and end elsewhere).
+    with progress.shown_on(err), progress.step(f"installing {dist} {version or default} into {target}"):
+        info = install_runtime(target, chosen, version, python)  # type: ignore[arg-type]
     console.print(
         f"vLLM {info.vllm_version} ({info.distribution}, torch {info.torch_version}, Python {info.python_version}) "
         f"installed in {info.install_seconds:.0f} s, {info.size_bytes / 1024**3:.1f} GiB"

@@ -1,8 +1,15 @@
-"""A child server process that is always reaped: on stop, at interpreter exit, and when this process dies.
+"""A child process that is always reaped: on stop, at interpreter exit, and when this process dies.
 
-The command runs under :mod:`model_support.core.serving.launcher` (see there for how it survives a
-SIGKILL of this process). ``PR_SET_PDEATHSIG`` fires when the *thread* that started the launcher ends, so
-start servers from a thread that lives as long as the server should (the main thread in the CLI and tests).
+vLLM servers and the ``parallel_parity`` torchrun job run as a :class:`ManagedProcess`. The command runs under
+:mod:`model_support.core.serving.launcher` (see there for how it survives a SIGKILL of this process and reaches the
+command's descendants). ``PR_SET_PDEATHSIG`` fires when the *thread* that started the launcher ends, so start
+children from a thread that lives as long as the child should (the main thread in the CLI and tests).
+
+Each command gets a temporary directory of its own next to its log (``<log stem>-XXXXXXXX.tmp``): its working
+directory, its ``TMPDIR`` (vLLM's IPC sockets and file store, whatever uses :mod:`tempfile`) and its torch compile
+cache (``TORCHINDUCTOR_CACHE_DIR``, set explicitly: torch writes the variable into the environment on first use,
+so a parent that imported Megatron would pass on its own). It is removed once the command and its family are
+gone; a run's logs are in its run directory, so after a SIGKILL of this process it goes with the run directory.
 """
 
 from __future__ import annotations
@@ -10,17 +17,25 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from model_support.core.serving.errors import ServerError
-from model_support.core.serving.launcher import group_members
+from model_support.core.serving.launcher import STOP_NOW, family, group_members
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 _LIVE: set[ManagedProcess] = set()
+
+
+def temp_env(directory: Path) -> dict[str, str]:
+    """The environment variables that send a Python process's temporary files (torch's compile cache included)
+    to ``directory``."""
+    return {"TMPDIR": str(directory), "TORCHINDUCTOR_CACHE_DIR": str(directory / "torchinductor")}
 
 
 class ManagedProcess:
@@ -36,21 +51,23 @@ class ManagedProcess:
         grace_s: float = 20.0,
     ) -> None:
         self.python, self.command, self.env = Path(python), list(command), dict(env)
-        self.log_path, self.grace_s = Path(log_path), grace_s
+        self.log_path, self.grace_s = Path(log_path).absolute(), grace_s
+        self.tmp_dir: Path | None = None
         self._popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"{self.log_path.stem}-", suffix=".tmp", dir=self.log_path.parent))
         with self.log_path.open("ab") as log:
             self._popen = subprocess.Popen(
                 [str(self.python), str(LAUNCHER), str(os.getpid()), str(self.grace_s), "--", *self.command],
-                env=self.env,
+                env={**self.env, **temp_env(self.tmp_dir)},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                # `python -m` puts the working directory on sys.path: keep this project's folders off it.
-                cwd=self.log_path.parent,
+                # An empty directory: `python -m` puts the working directory on sys.path.
+                cwd=self.tmp_dir,
             )
         _LIVE.add(self)
         return self
@@ -68,9 +85,22 @@ class ManagedProcess:
     def returncode(self) -> int | None:
         return None if self._popen is None else self._popen.poll()
 
+    def wait(self, timeout_s: float) -> int | None:
+        """The command's exit status, or None when it still runs after ``timeout_s``."""
+        if self._popen is None:
+            raise ServerError("process was never started")
+        try:
+            return self._popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def members(self) -> list[int]:
-        """Live processes of the group (launcher, server and whatever the server spawned)."""
-        return group_members(self.pid) if self._popen is not None else []
+        """Live processes of the family (launcher, command and whatever the command spawned, see
+        :func:`~model_support.core.serving.launcher.family`). Once the launcher is reaped its PID may be reused:
+        then only its process group, which outlives it while a member lives, is searched."""
+        if self._popen is None:
+            return []
+        return family(self.pid) if self._popen.poll() is None else group_members(self.pid)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -78,11 +108,17 @@ class ManagedProcess:
         except OSError:
             return ""
 
+    def stop_now(self) -> None:
+        """Ask the launcher to SIGKILL the family at once, without waiting (``stop`` then waits for it)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self._popen.send_signal(STOP_NOW)
+
     def stop(self) -> None:
-        """Ask the launcher to take the group down; SIGKILL the group if it has not after the grace period."""
+        """Ask the launcher to take the family down; SIGKILL it if it has not after the grace period. Then remove
+        the command's temporary directory."""
         if self._popen is None:
             return
-        _LIVE.discard(self)
         if self._popen.poll() is None:
             self._popen.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -96,12 +132,25 @@ class ManagedProcess:
         if self._popen.poll() is None:
             self._popen.kill()
         self._popen.wait()
+        # Only now: a stop cut short (by an interrupt) is still found by stop_all_now and stop_all.
+        _LIVE.discard(self)
         left = self.members()
         if left:
             raise ServerError(f"processes {left} of group {self.pid} survived SIGKILL")
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def stop_all_now() -> None:
+    """Have every live child killed at once (a signal to each launcher; returns without waiting). For an interrupt
+    handler: the ``stop`` calls that the interrupt's unwinding reaches then find the children gone or going."""
+    for proc in list(_LIVE):
+        proc.stop_now()
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every child still running: at interpreter exit, and before a run directory is removed (its children
+    write in it)."""
     for proc in list(_LIVE):
         proc.stop()

@@ -28,6 +28,7 @@ from typing import Literal
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from model_support.core import progress
 from model_support.core.serving.errors import RuntimeMissingError, ServingError
 
 RUNTIME_ENV = "MODEL_SUPPORT_VLLM_RUNTIME"
@@ -99,10 +100,13 @@ def _pip_env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise ServingError(f"runtime install: {what} failed (exit {proc.returncode}): {tail}")
+    """Run one install step (a progress step named ``what``); its stdout, or :class:`ServingError` with its last
+    lines."""
+    with progress.step(what):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            raise ServingError(f"runtime install: {what} failed (exit {proc.returncode}): {tail}")
     return proc.stdout
 
 

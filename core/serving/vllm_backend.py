@@ -70,19 +70,23 @@ class VllmServer:
         return self.process.pid
 
     def wait_ready(self) -> VllmServer:
+        from model_support.core import progress
+
         deadline = time.monotonic() + self.options.startup_timeout_s
-        while time.monotonic() < deadline:
-            if not self.process.alive():
-                raise ServerError(f"vLLM exited while starting: {self.root_cause()} (log: {self.process.log_path})")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerError(f"vLLM did not become healthy in {self.options.startup_timeout_s:.0f} s")
+        # A start takes minutes: a progress step (spinner and elapsed time) names the log to follow meanwhile.
+        with progress.step(f"starting vLLM (log: {self.process.log_path})"):
+            while time.monotonic() < deadline:
+                if not self.process.alive():
+                    raise ServerError(f"vLLM exited while starting: {self.root_cause()} (log: {self.process.log_path})")
+                try:
+                    with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as resp:
+                        if resp.status == 200:
+                            return self
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass
+                time.sleep(1.0)
+            self.stop()
+            raise ServerError(f"vLLM did not become healthy in {self.options.startup_timeout_s:.0f} s")
 
     def stop(self) -> None:
         self.process.stop()
@@ -232,6 +236,11 @@ class VllmBackend:
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            # vLLM's ZMQ IPC sockets, in the server's own temporary directory like its other temporary files (see
+            # ManagedProcess), named relative to it (it is the server's working directory): a socket's path must fit
+            # in 107 bytes, which the run directory's absolute path may not. A user's own setting wins (a run
+            # directory on a file system that cannot hold sockets).
+            "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", "."),
         }
         process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
         return VllmServer(process, port, served_name, model_dir, options).wait_ready()

@@ -16,7 +16,7 @@ declaration is out of date).
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,24 +31,35 @@ import json, sys
 from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.interfaces import supports_lora
 cls = ModelRegistry._try_load_model_cls(sys.argv[1])
-print(json.dumps({"class": None if cls is None else cls.__name__,
-                  "supports_lora": bool(cls is not None and supports_lora(cls)),
-                  "packed_modules_mapping": getattr(cls, "packed_modules_mapping", {})}))
+answer = {"class": None if cls is None else cls.__name__,
+          "supports_lora": bool(cls is not None and supports_lora(cls)),
+          "packed_modules_mapping": getattr(cls, "packed_modules_mapping", {})}
+with open(sys.argv[2], "w") as f:
+    json.dump(answer, f)
 """
+PROBE_LIMIT_S = 600
 
 
-def lora_probe(architecture: str, cwd: Path) -> dict[str, Any]:
-    """What the installed vLLM declares about LoRA for ``architecture`` (run in the runtime venv, in ``cwd``:
-    ``python -c`` puts the working directory on sys.path, which must not hold this project's folders)."""
+def lora_probe(architecture: str, workdir: Path) -> dict[str, Any]:
+    """What the installed vLLM declares about LoRA for ``architecture``: asked in the runtime venv by a managed child
+    (it dies with the check), whose log and answer are written in ``workdir``."""
+    from model_support.core.serving.process import ManagedProcess
     from model_support.core.serving.runtime import load_runtime
 
     runtime = load_runtime()
-    proc = subprocess.run(
-        [runtime.python, "-c", _PROBE, architecture], capture_output=True, text=True, timeout=600, check=False, cwd=cwd
-    )
-    if proc.returncode != 0:
-        raise ServingError(f"vLLM LoRA probe failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    answer = workdir / "vllm-lora-probe.json"
+    command = [str(runtime.python), "-c", _PROBE, architecture, str(answer)]
+    probe = ManagedProcess(runtime.python, command, env=os.environ, log_path=workdir / "vllm-lora-probe.log").start()
+    try:
+        code = probe.wait(PROBE_LIMIT_S)
+        tail = probe.log_tail(1)
+    finally:
+        probe.stop()
+    if code is None:
+        raise ServingError(f"vLLM LoRA probe did not finish in {PROBE_LIMIT_S} s (stopped); see {probe.log_path}")
+    if code != 0 or not answer.exists():
+        raise ServingError(f"vLLM LoRA probe failed (exit {code}): {tail or 'no output'}")
+    return json.loads(answer.read_text())
 
 
 class NativeVllmLoraStage(Stage):

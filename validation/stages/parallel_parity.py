@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from math import inf
 from pathlib import Path
@@ -89,8 +88,10 @@ class ParallelParityStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
         from safetensors.torch import load_file
 
+        from model_support.core.serving.process import ManagedProcess
         from model_support.core.serving.vllm_backend import free_port
         from model_support.validation.parallel_worker import LR
+        from model_support.validation.selftest import active_mutation
 
         details: list[str] = []
         layouts: list[str] = []
@@ -111,17 +112,26 @@ class ParallelParityStage(Stage):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}"]
         cmd += [f"--master_port={free_port()}", "-m", "model_support.validation.parallel_worker"]
         cmd += [str(out), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
+        mutation = active_mutation()
+        if mutation is not None:  # `model-support selftest` injects its bug into the workers too
+            cmd += ["--mutation", mutation]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         gpus = torch.cuda.device_count()
         if gpus < world:  # one process per GPU, or all on the CPU (gloo)
             env["CUDA_VISIBLE_DEVICES"] = ""
-        with log.open("w") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=self.timeout_s)
+        # Under the launcher, so that torchrun and its workers die with this process however it ends.
+        job = ManagedProcess(Path(sys.executable), cmd, env=env, log_path=log).start()
+        try:
+            exit_code = job.wait(self.timeout_s)
+        finally:
+            job.stop()
+        if exit_code is None:
+            return self.failed(f"the torchrun job did not finish in {self.timeout_s} s (stopped); see {log}")
         oracle_file = out / "single.safetensors"
         if not oracle_file.exists():
             error = _error_line(out, "single")
             return self.failed(
-                f"the single-rank oracle did not run (exit {proc.returncode}{': ' + error if error else ''}); see {log}"
+                f"the single-rank oracle did not run (exit {exit_code}{': ' + error if error else ''}); see {log}"
             )
         oracle = load_file(str(oracle_file))
         device = "CPU (gloo)" if gpus < world else f"{world} GPUs (NCCL)"
@@ -142,7 +152,7 @@ class ParallelParityStage(Stage):
             result = out / f"{name}.safetensors"
             if not result.exists():
                 error = _error_line(out, name)
-                details.append(f"{name}: did not run ({error or f'exit {proc.returncode}'})")
+                details.append(f"{name}: did not run ({error or f'exit {exit_code}'})")
                 failed += 1
                 continue
             numbers = compare(oracle, load_file(str(result)), LR)
