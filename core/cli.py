@@ -418,17 +418,18 @@ app.command("docs")(docs)
 
 
 def main() -> None:
-    from model_support.core.interrupt import Interrupted, install
+    from model_support.core.interrupt import Interrupted, installed
 
-    install()  # SIGINT, SIGTERM and SIGHUP unwind the command (children stopped, run directory removed)
-    try:
-        app()
-    except ModelSupportError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except Interrupted as exc:
-        err.print(str(exc), markup=False, highlight=False)
-        sys.exit(exc.exit_code)
+    # SIGINT, SIGTERM and SIGHUP unwind the command (children stopped, run directory removed).
+    with installed():
+        try:
+            app()
+        except ModelSupportError as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+        except Interrupted as exc:
+            err.print(str(exc), markup=False, highlight=False)
+            sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """SIGINT, SIGTERM and SIGHUP end a command the same way: its children are killed at once, and an exception unwinds
 the command, so its ``finally`` blocks stop what it started and remove its run directory before it exits.
 
-Installed by the CLI's ``main`` (:func:`install`); code used as a library keeps Python's own signal handling (its
+Installed by the CLI's ``main`` (:func:`installed`); code used as a library keeps Python's own signal handling (its
 children die with it all the same: see :mod:`model_support.core.serving.launcher`).
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 from model_support.core.serving.process import stop_all_now
@@ -38,9 +40,17 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
-def install() -> None:
-    """Make each stop signal raise :class:`Interrupted` in the main thread; a signal this process was started with
-    ignored (``nohup``, a background job's SIGINT) stays ignored."""
-    for sig in SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
+@contextmanager
+def installed() -> Iterator[None]:
+    """Inside the block each stop signal raises :class:`Interrupted` in the main thread; a signal this process was
+    started with ignored (``nohup``, a background job's SIGINT) stays ignored. The handlers the process had come
+    back after it (a caller of the CLI's ``main``, such as a test, keeps its own)."""
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
             signal.signal(sig, _interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from tests.helpers import run_cli
 
 
@@ -98,3 +100,18 @@ def test_tiny_command_writes_a_loadable_replica(tmp_path):
         "chat_template" in (tmp_path / "m" / "tokenizer_config.json").read_text()
         or (tmp_path / "m" / "chat_template.jinja").is_file()
     )
+
+
+def test_main_gives_the_callers_signal_handlers_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's stop-signal handling lasts as long as its ``main``: a caller (here pytest) keeps its own handlers."""
+    import signal
+    import sys
+
+    from model_support.core.cli import main
+    from model_support.core.interrupt import SIGNALS
+
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    monkeypatch.setattr(sys, "argv", ["model-support", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    assert {sig: signal.getsignal(sig) for sig in SIGNALS} == before
