@@ -169,8 +169,9 @@ def start_run_dir(workdir: Path | None) -> Path:
 
     Each run gets its own (timestamp and PID in the name), so runs in one ``--workdir`` never share files and a
     re-run never meets the last one's exports. Directories of runs that died are removed first. Until
-    :func:`finish_run_dir`, this process's temporary files (``TMPDIR``, :mod:`tempfile`, torch's compile cache) go
-    to the run's ``tmp/``, and so do those of the children it starts (``ManagedProcess`` gives each its own).
+    :func:`finish_run_dir`, this process's temporary files (``TMPDIR``, :mod:`tempfile`) go to the run's ``tmp/``,
+    and so do those of the children it starts (``ManagedProcess`` gives each its own); torch's compile cache is
+    kept between runs (:func:`~model_support.core.serving.process.compile_cache_dir`).
     """
     parent = workdir if workdir is not None else Path(tempfile.gettempdir())
     clean_dead_runs(parent)

@@ -6,10 +6,9 @@ command's descendants). ``PR_SET_PDEATHSIG`` fires when the *thread* that starte
 children from a thread that lives as long as the child should (the main thread in the CLI and tests).
 
 Each command gets a temporary directory of its own next to its log (``<log stem>-XXXXXXXX.tmp``): its working
-directory, its ``TMPDIR`` (vLLM's IPC sockets and file store, whatever uses :mod:`tempfile`) and its torch compile
-cache (``TORCHINDUCTOR_CACHE_DIR``, set explicitly: torch writes the variable into the environment on first use,
-so a parent that imported Megatron would pass on its own). It is removed once the command and its family are
-gone; a run's logs are in its run directory, so after a SIGKILL of this process it goes with the run directory.
+directory and its ``TMPDIR`` (vLLM's IPC sockets and file store, whatever uses :mod:`tempfile`). It is removed once
+the command and its family are gone; a run's logs are in its run directory, so after a SIGKILL of this process it
+goes with the run directory. torch's compile cache is kept between runs instead (:func:`compile_cache_dir`).
 """
 
 from __future__ import annotations
@@ -32,10 +31,22 @@ LAUNCHER = Path(__file__).with_name("launcher.py")
 _LIVE: set[ManagedProcess] = set()
 
 
+def compile_cache_dir() -> Path:
+    """Where torch's compile cache lives for this project's processes and their children: under the user's cache
+    directory (``MODEL_SUPPORT_CACHE_DIR``, else ``$XDG_CACHE_HOME/model-support``, else ``~/.cache/model-support``),
+    kept between runs. It is no temporary file: vLLM's CPU build compiles about 160 MB of kernels at each start, once
+    with a kept cache, every time with one per run."""
+    root = os.environ.get("MODEL_SUPPORT_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "model-support"
+    )
+    return Path(root) / "torchinductor"
+
+
 def temp_env(directory: Path) -> dict[str, str]:
-    """The environment variables that send a Python process's temporary files (torch's compile cache included)
-    to ``directory``."""
-    return {"TMPDIR": str(directory), "TORCHINDUCTOR_CACHE_DIR": str(directory / "torchinductor")}
+    """The environment variables that send a Python process's temporary files to ``directory``, and torch's compile
+    cache to :func:`compile_cache_dir` (set explicitly: torch writes the variable into the environment on first use,
+    so a parent that imported Megatron would pass on its own, in ``TMPDIR``)."""
+    return {"TMPDIR": str(directory), "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir())}
 
 
 class ManagedProcess:
