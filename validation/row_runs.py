@@ -4,7 +4,8 @@ replaying one given routing in both so that a near tie cannot flip between them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,17 @@ def routing_alone(model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> list[
         for tokens in rows:
             logits(model, tokens)
     return routing
+
+
+@contextmanager
+def routing_of(model: torch.nn.Module, tokens: torch.Tensor) -> Iterator[None]:
+    """Inside the block every forward of ``tokens`` ([1, S]) through ``model`` routes as one forward of it did just
+    before: two runs compared for what a mode or an adapter changes, not for a near tie that a GPU's unrepeatable
+    MoE sums flip (no effect on a model without MoE)."""
+    from model_support.core.megatron.compare import replayed_routing
+
+    with replayed_routing(model, [calls[0] for calls in routing_alone(model, [tokens])], batch=1):
+        yield
 
 
 def run_alone(

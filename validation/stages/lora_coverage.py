@@ -204,17 +204,16 @@ class LoraCoverageStage(Stage):
         bit in fp32; below fp32 (where a GPU's MoE dispatch does not repeat its sums bitwise) within the stage's
         same-model tolerances (``fresh_lora_logits_rel_l2``, ``_mean_abs_pct``). Both runs replay one recorded MoE
         routing: a near tie that such a sum flips would otherwise move whole tokens to other experts."""
-        from model_support.core.megatron.compare import closeness, replayed_routing, same_model_tolerances
+        from model_support.core.megatron.compare import closeness, same_model_tolerances
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.session import LOWP_KEY, megatron_lora, training_model
-        from model_support.validation.row_runs import routing_alone
+        from model_support.validation.row_runs import routing_of
 
         model = training_model(ctx)
         if model.lora is not None:  # another stage of the run applied it first
             return megatron_lora(ctx), {}, {}, ["apply_lora's identity not measured: LoRA was on before this stage"]
         exact = model.built.numerics.dtype == torch.float32
-        routing = [calls[0] for calls in routing_alone(model.module, [tokens])]
-        with torch.no_grad(), replayed_routing(model.module, routing, batch=1):
+        with torch.no_grad(), routing_of(model.module, tokens):
             base = logits(model.module, tokens)
             report = megatron_lora(ctx)
             fresh = logits(model.module, tokens)
@@ -237,23 +236,12 @@ class LoraCoverageStage(Stage):
         within 1e-6, below fp32 within the stage's same-model tolerances, both modes replaying one recorded MoE
         routing (as the fresh adapter's check does). Failing, the modules whose output differs from the same input
         (the innermost) are named."""
-        from model_support.core.megatron.compare import closeness, replayed_routing, same_model_tolerances
+        from model_support.core.megatron.compare import closeness, same_model_tolerances
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.session import LOWP_KEY
-        from model_support.validation.row_runs import routing_alone
+        from model_support.validation.row_runs import routing_of
 
         dtype = next(model.parameters()).dtype
-        was = model.training
-        routing = [calls[0] for calls in routing_alone(model, [tokens])]
-        try:
-            with torch.no_grad(), replayed_routing(model, routing, batch=1):
-                model.eval()
-                evaluated = logits(model, tokens)
-                model.train()
-                trained = logits(model, tokens)
-        finally:
-            model.train(was)
-        metrics = closeness(trained, evaluated, prefix="train_mode_logits_")
         if dtype == torch.float32:
             limits = {"train_mode_logits_max_abs_err": 1e-6}
         else:
@@ -261,10 +249,20 @@ class LoraCoverageStage(Stage):
             limits = {f"train_mode_{k}": v for k, v in same.items() if k.startswith("logits_")}
         dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         details = [f"Dropout modules with p > 0: {', '.join(dropouts[:4]) or 'none'}"]
-        if any(not metrics[k] <= v for k, v in limits.items()):
-            with replayed_routing(model, routing, batch=1):
+        was = model.training
+        with routing_of(model, tokens):
+            try:
+                with torch.no_grad():
+                    model.eval()
+                    evaluated = logits(model, tokens)
+                    model.train()
+                    trained = logits(model, tokens)
+            finally:
+                model.train(was)
+            metrics = closeness(trained, evaluated, prefix="train_mode_logits_")
+            if any(not metrics[k] <= v for k, v in limits.items()):
                 differ = _differing_in_train_mode(model, tokens)
-            details.append(f"train mode changes the output of {', '.join(differ[:4]) or 'no single module'}")
+                details.append(f"train mode changes the output of {', '.join(differ[:4]) or 'no single module'}")
         return metrics, limits, details
 
     def _exercise_unrouted_experts(
