@@ -206,7 +206,8 @@ def chunk_bwd_dqkwg(
 @functools.cache
 def _fla() -> SimpleNamespace:
     """fla's kernels as :class:`TunedKernel` (fla is imported on first use: it is optional) and the block
-    sizes fla's host functions derive from the GPU's shared memory."""
+    sizes fla's host functions derive from the GPU's shared memory. Triton's cache is seeded with the shipped
+    tuned settings first (:mod:`.tuning`)."""
     from fla.ops.common.chunk_delta_h import (
         chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64,
         chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
@@ -217,6 +218,9 @@ def _fla() -> SimpleNamespace:
     from fla.ops.utils.constant import RCP_LN2
     from fla.utils import check_shared_mem
 
+    from model_support.kernels.tuning import seed_triton_cache
+
+    seed_triton_cache()
     return SimpleNamespace(
         kkt_solve=TunedKernel(chunk_gated_delta_rule_fwd_kkt_solve_kernel),
         w_u=TunedKernel(recompute_w_u_fwd_kernel),

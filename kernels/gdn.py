@@ -240,6 +240,10 @@ def run_fla(
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
+        from model_support.kernels.tuning import seed_triton_cache
+
+        seed_triton_cache()
+
         o, final = fla_chunk_gated_delta_rule(
             q,
             k,

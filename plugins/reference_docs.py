@@ -238,6 +238,15 @@ def stages_page() -> str:
         "`*` (`peak_host_lifetime: true`). Neither counts child processes: a vLLM server a serving stage",
         "starts is not in them.",
         "",
+        "Where a stage's time went is in the JSON as `time_split_s` (`core/timing.py`): seconds building the",
+        "model under test (`build`), in the transformers oracle (`oracle`, its own model build counted as",
+        "`build`), in Triton's autotuning of GPU kernels (`autotune`: each candidate setting compiled and",
+        "timed), waiting for a vLLM server to start (`server_start`), and the rest (`comparison`); each second",
+        "once. Before each stage runs, the stages still to come that apply may start slow work in the",
+        "background (`Stage.prepare`): the serving stages their vLLM server (a policy server of its own once",
+        "`lora_coverage` has written the adapter), `parallel_parity` its job of ranks, the stages that render",
+        "chat templates their renderer; a stage then waits only for what is left of it.",
+        "",
     ]
     rows = [(s.order, f"[`{s.name}`](#{s.name})", ", ".join(s.requires) or "-", s.title) for s in stages]
     lines += _table(("order", "stage", "requires", "passing proves"), rows)
@@ -349,8 +358,8 @@ REFUSED = [
     "architectures | refused | a preference that settles nothing was meant for another model |",
     "| `MODEL_SUPPORT_SELFTEST_MUTATION` in the environment | ignored outside `model-support selftest` | a plain check "
     "never injects a bug |",
-    "| SIGINT, SIGTERM (or SIGKILL) during a check | the children (torchrun and its workers, vLLM) stop with it, "
-    "the run directory goes with them (after SIGKILL: at the next run) | no orphan holds a port or the disk |",
+    "| SIGINT, SIGTERM (or SIGKILL) during a check | the children (parallel_parity's job and its ranks, vLLM) stop "
+    "with it, the run directory goes with them (after SIGKILL: at the next run) | no orphan holds a port or the disk |",
     "",
 ]
 

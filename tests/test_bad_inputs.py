@@ -475,10 +475,18 @@ def test_a_chat_template_renders_under_limits(
     (model_dir / "chat_template.jinja").write_text(template)
     monkeypatch.setattr(context, "CHAT_RENDER_LIMIT_S", 20)  # the loops would take hours at any limit
     ctx = CheckContext.__new__(CheckContext)
-    ctx.model_dir = model_dir
-    with pytest.raises(ModelSupportError) as err:
-        ctx.chat_prompts([[{"role": "user", "content": "hi"}]])
-    assert message in str(err.value) and "\n" not in str(err.value)
+    ctx.model_dir, ctx.artifacts = model_dir, {}
+    try:
+        with pytest.raises(ModelSupportError) as err:
+            ctx.chat_prompts([[{"role": "user", "content": "hi"}]])
+        assert message in str(err.value) and "\n" not in str(err.value)
+        # The renderer is whole again for the next request: a template that renders still does.
+        (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+        if message.startswith("a prompt rendered"):  # the child lives on and keeps its template
+            return
+        assert ctx.chat_prompts([[{"role": "user", "content": "hi"}]]) == ["hi!"]
+    finally:
+        ctx.chat_renderer().stop()
 
 
 def test_a_chat_template_renders_as_the_tokenizer_does(tiny_model_dir) -> None:
@@ -487,11 +495,15 @@ def test_a_chat_template_renders_as_the_tokenizer_does(tiny_model_dir) -> None:
     from model_support.validation.context import CheckContext
 
     ctx = CheckContext.__new__(CheckContext)
-    ctx.model_dir = tiny_model_dir("qwen3")
+    ctx.model_dir, ctx.artifacts = tiny_model_dir("qwen3"), {}
     chats = [[{"role": "user", "content": "Is fire cold?"}], [{"role": "system", "content": "Be brief."}]]
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
     expected = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    assert ctx.chat_prompts(chats) == expected
+    try:
+        assert ctx.chat_prompts(chats) == expected
+        assert ctx.chat_prompts(chats[1:]) == expected[1:]  # the same child answers a second request
+    finally:
+        ctx.chat_renderer().stop()
 
 
 def test_tiny_where_writing_fails_leaves_nothing(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """Every child a ``check`` starts dies with it, and a run leaves nothing behind in the temp directory.
 
-Real runs of the CLI: ``parallel_parity`` on the tiny qwen3 (a torchrun job of two gloo workers, each in a session
-of its own) and a serving stage (a vLLM server and its engine process), each stopped by a signal as soon as its
-children are up. A process belongs to the run under test when its environment names the test's directory: the run
-sets ``TMPDIR`` inside it for itself and every child, and the children inherit it.
+Real runs of the CLI: ``parallel_parity`` on the tiny qwen3 (a job that forks two gloo ranks) and a serving stage
+(a vLLM server and its engine process), each stopped by a signal as soon as its children are up. A process belongs
+to the run under test when its environment names the test's directory: the run sets ``TMPDIR`` inside it for itself
+and every child, and the children inherit it.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def _leftovers(tmp: Path) -> list[str]:
     return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.name.startswith(RUN_PREFIX) or not p.is_dir())
 
 
-def _torchrun_workers_up(cmdlines: list[str]) -> bool:
-    workers = [c for c in cmdlines if "validation.parallel_worker" in c and "torch.distributed.run" not in c]
-    return len(workers) == 2
+def _parallel_ranks_up(cmdlines: list[str]) -> bool:
+    """The job and its two ranks (forks of it: the same command line; the launcher's names the job's too)."""
+    return sum("validation.parallel_worker" in c and "launcher.py" not in c for c in cmdlines) == 3
 
 
 def _interrupted(tmp_path: Path, check: subprocess.Popen[str], sig: signal.Signals) -> None:
@@ -121,11 +121,11 @@ def _interrupted(tmp_path: Path, check: subprocess.Popen[str], sig: signal.Signa
 
 
 @pytest.mark.slow
-def test_sigterm_stops_torchrun_and_its_workers_and_removes_the_run(tmp_path: Path) -> None:
+def test_sigterm_stops_the_parallel_job_and_its_ranks_and_removes_the_run(tmp_path: Path) -> None:
     require_megatron()
     check = _start_check(tmp_path, "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2")
-    procs = _wait_for_children(check, tmp_path, _torchrun_workers_up)
-    port = _option(_cmdlines(procs), "--master_port")
+    procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
+    port = _option(_cmdlines(procs), "--master-port")
     check.send_signal(signal.SIGTERM)
     assert _left_after_polls(tmp_path, check) == []
     assert not _listening(port)
@@ -133,11 +133,11 @@ def test_sigterm_stops_torchrun_and_its_workers_and_removes_the_run(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_sigkill_takes_torchrun_and_its_workers_down_and_the_next_run_removes_the_run_dir(tmp_path: Path) -> None:
+def test_sigkill_takes_the_parallel_job_and_its_ranks_down_and_the_next_run_removes_the_run_dir(tmp_path: Path) -> None:
     require_megatron()
     check = _start_check(tmp_path, "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2")
-    procs = _wait_for_children(check, tmp_path, _torchrun_workers_up)
-    port = _option(_cmdlines(procs), "--master_port")
+    procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
+    port = _option(_cmdlines(procs), "--master-port")
     check.send_signal(signal.SIGKILL)
     check.wait()
     # The launcher sees its parent die: it kills the family itself.

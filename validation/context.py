@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,38 +76,95 @@ class CheckContext:
             self.artifacts["tokenizer"] = tokenizer
         return self.artifacts["tokenizer"]
 
+    def chat_renderer(self) -> ChatRenderer:
+        """The check's one chat-template renderer (started on first use, stopped with the run's servers)."""
+        if RENDERER_KEY not in self.artifacts:
+            self.artifacts[RENDERER_KEY] = ChatRenderer(self.model_dir).start()
+        return self.artifacts[RENDERER_KEY]
+
     def chat_prompts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         """Each conversation rendered by the checkpoint's chat template (``add_generation_prompt=True``), as
-        ``tokenizer.apply_chat_template(..., tokenize=False)`` renders it, in a child process held to
-        ``CHAT_RENDER_LIMIT_S`` seconds, ``CHAT_RENDER_MAX_CHARS`` characters a prompt and ``CHAT_RENDER_MAX_BYTES``
-        of memory: a template's loops and output are bounded by nothing else."""
-        import json
-        import resource
-        import subprocess
-        import sys
+        ``tokenizer.apply_chat_template(..., tokenize=False)`` renders it, by :class:`ChatRenderer`: in a child
+        process held to ``CHAT_RENDER_LIMIT_S`` seconds, ``CHAT_RENDER_MAX_CHARS`` characters a prompt and
+        ``CHAT_RENDER_MAX_BYTES`` of memory, since a template's loops and output are bounded by nothing else."""
+        return self.chat_renderer().render(conversations)
 
-        from model_support.core.errors import ModelSupportError
 
+RENDERER_KEY = "chat_renderer"
+
+
+class ChatRenderer:
+    """A child process (``validation/chat_render.py``) that renders conversations with the chat template of
+    ``model_dir``: transformers is imported and the tokenizer loaded once, when it starts, and each request is held
+    to ``CHAT_RENDER_LIMIT_S`` seconds (the first one's from the start: loading included). A request over the limit
+    kills the child (the next starts another); so does :meth:`stop`."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._since = 0.0
+
+    def start(self) -> ChatRenderer:
         def limit_memory() -> None:
             resource.setrlimit(resource.RLIMIT_AS, (CHAT_RENDER_MAX_BYTES, CHAT_RENDER_MAX_BYTES))
 
-        script = Path(__file__).with_name("chat_render.py")
-        what = f"the chat template of {self.model_dir}"
-        try:
-            proc = subprocess.run(
+        if self._proc is None:
+            script = Path(__file__).with_name("chat_render.py")
+            self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the child: closed by stop)
+            self._proc = subprocess.Popen(
                 [sys.executable, "-P", str(script), str(self.model_dir), str(CHAT_RENDER_MAX_CHARS)],
-                input=json.dumps(conversations),
-                capture_output=True,
-                text=True,
-                timeout=CHAT_RENDER_LIMIT_S,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
                 preexec_fn=limit_memory,
             )
-        except subprocess.TimeoutExpired:
-            raise ModelSupportError(
-                f"{what} did not render {len(conversations)} short conversation(s) in {CHAT_RENDER_LIMIT_S} s; "
-                "fix its loops (a correct template renders them in milliseconds)"
-            ) from None
-        if proc.returncode != 0:
-            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+            self._since = time.monotonic()
+        return self
+
+    def render(self, conversations: list[list[dict[str, str]]]) -> list[str]:
+        from model_support.core.errors import ModelSupportError
+
+        what = f"the chat template of {self.model_dir}"
+        proc = self.start()._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        deadline = max(self._since, time.monotonic()) + CHAT_RENDER_LIMIT_S
+        line = b""
+        try:
+            proc.stdin.write(json.dumps(conversations).encode() + b"\n")
+            proc.stdin.flush()
+            with selectors.DefaultSelector() as selector:
+                selector.register(proc.stdout, selectors.EVENT_READ)
+                while not line.endswith(b"\n"):
+                    if not selector.select(deadline - time.monotonic()):
+                        self.stop()
+                        raise ModelSupportError(
+                            f"{what} did not render {len(conversations)} short conversation(s) in "
+                            f"{CHAT_RENDER_LIMIT_S} s; fix its loops (a correct template renders them in milliseconds)"
+                        )
+                    chunk = os.read(proc.stdout.fileno(), 1 << 20)
+                    if not chunk:
+                        break
+                    line += chunk
+        except BrokenPipeError:
+            pass
+        if not line.endswith(b"\n"):  # the child ended: its last error line says why
+            code = proc.wait()
+            self._stderr.seek(0)
+            lines = self._stderr.read().decode(errors="replace").strip().splitlines() or [f"exit status {code}"]
+            self.stop()
             raise ModelSupportError(f"{what} failed to render: {lines[-1]}")
-        return json.loads(proc.stdout)
+        self._since = 0.0
+        answer = json.loads(line)
+        if "error" in answer:
+            raise ModelSupportError(f"{what} failed to render: {answer['error']}")
+        return answer["prompts"]
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            self._stderr.close()
+            self._proc = None

@@ -1,18 +1,20 @@
-"""Worker of the ``parallel_parity`` stage: one ``torchrun`` job per handler, every layout in turn.
+"""Worker of the ``parallel_parity`` stage: one job per handler, every layout in turn.
 
-Run as ``python -m torch.distributed.run --nproc_per_node W -m model_support.validation.parallel_worker OUT MODEL_DIR
-HANDLER single,tp2,... [--mutation NAME]`` (``--mutation``: the selftest's bug, which the stage passes on only while
-``model-support selftest`` injects it in the parent). For each layout the job builds the model through the training-time
-API in that layout (the rest of the world is data parallel, every rank fed the same tokens), loads the same canonical
-random LoRA, runs one forward and backward through ``api.forward_backward`` (megatron-core's schedule for the layout,
-two micro-batches), reduces the gradients as a trainer does (``api.reduce_lora_grads``), takes one SGD step on the LoRA,
-and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, each router's top-k expert sets (every token,
-in sequence order), the PEFT adapter the handler's codec exports before and after the step, the merged HF weights after
-it (``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions each; not under
-context parallelism, which needs THD attention for packed rows), the adapter ``api.apply_lora`` draws (its seed makes it
-one canonical adapter in every layout), and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``)
-with how far any rank's rows are from rank 0's. ``single`` (one rank's model, the rest data parallel) is the oracle the
-stage compares every other layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error``.
+Run as ``python -m model_support.validation.parallel_worker --world W --master-port P OUT MODEL_DIR HANDLER
+single,tp2,... [--mutation NAME]`` (W ranks forked from this process: see :func:`launch`; without ``--world``, one
+rank of a job another launcher such as ``torchrun`` started; ``--mutation``: the selftest's bug, which the stage
+passes on only while ``model-support selftest`` injects it in the parent). For each layout the job builds the model
+through the training-time API in that layout (the rest of the world is data parallel, every rank fed the same
+tokens), loads the same canonical random LoRA, runs one forward and backward through ``api.forward_backward``
+(megatron-core's schedule for the layout, two micro-batches), reduces the gradients as a trainer does
+(``api.reduce_lora_grads``), takes one SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the
+logits, the loss, each router's top-k expert sets (every token, in sequence order), the PEFT adapter the handler's
+codec exports before and after the step, the merged HF weights after it (``api.merged_weights``), and the logits of
+shared-prefix rows (a prompt and three completions each; not under context parallelism, which needs THD attention
+for packed rows), the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout),
+and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are
+from rank 0's. ``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other
+layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error``.
 """
 
 from __future__ import annotations
@@ -202,7 +204,42 @@ def main(argv: list[str]) -> None:
     parser.add_argument("handler")
     parser.add_argument("layouts", help="comma-separated, `single` first")
     parser.add_argument("--mutation", help="the selftest's bug to inject (passed on by the stage under selftest)")
+    parser.add_argument("--world", type=int, help="start this many ranks as forks of this process (no torchrun)")
+    parser.add_argument("--master-port", type=int, help="the ranks' rendezvous port (with --world)")
     args = parser.parse_args(argv)
+    if args.world is not None:
+        launch(args)
+    else:
+        run(args)
+
+
+def launch(args: argparse.Namespace) -> None:
+    """Run ``args.world`` ranks as forks of this process, each with the variables torchrun would set: the ranks
+    inherit the modules this process imported (torch, megatron-core, the bridge, transformers: seconds of CPU a rank
+    that would otherwise each import again). Forked before any rank touches CUDA, OpenMP or torch.distributed;
+    ``torch.multiprocessing`` ends the others when one fails."""
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(args,), nprocs=args.world, start_method="fork")
+
+
+def _rank(rank: int, args: argparse.Namespace) -> None:
+    import os
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.world),
+        LOCAL_WORLD_SIZE=str(args.world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args.master_port),
+    )
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """This rank's part of every layout in ``args.layouts``."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(exact_fp32())  # the layouts are built in fp32 and held to fixed fp32 tolerances

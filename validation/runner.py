@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
-from model_support.core import progress
+from model_support.core import progress, timing
 from model_support.core.errors import ModelSupportError
 from model_support.core.precision import exact_fp32
 from model_support.validation.context import CheckContext
@@ -157,12 +157,17 @@ def run_checks(
     try:
         # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
         with exact_fp32(ctx.dtype == "fp32"):
-            for stage_cls in stages:
+            for index, stage_cls in enumerate(stages):
+                # Before each stage, the stages still to run may start background work (again: what an earlier
+                # stage built, such as a trained adapter, may let them start more).
+                _prepare(ctx, stages[index:])
                 # Indented like the check's line per finished stage, which also says how it ended.
                 with progress.step(stage_cls.name, indent=2, end_line=False), MemoryProbe() as memory:
-                    start = time.perf_counter()
-                    result = _run_one(stage_cls(), ctx, done)
-                    result.duration_s = time.perf_counter() - start
+                    with timing.measuring() as clock:
+                        start = time.perf_counter()
+                        result = _run_one(stage_cls(), ctx, done)
+                        result.duration_s = time.perf_counter() - start
+                    result.time_split = clock.split(result.duration_s)
                 memory.record(result)
                 done[stage_cls.name] = result
                 report.results.append(result)
@@ -173,10 +178,24 @@ def run_checks(
     return report
 
 
+def _prepare(ctx: CheckContext, stages: Sequence[type[Stage]]) -> None:
+    """Let each of ``stages`` that applies start its slow background work (``Stage.prepare``)."""
+    for stage_cls in stages:
+        stage = stage_cls()
+        if all(r.missing_reason() is None for r in stage_cls.packages) and stage.skip_reason(ctx) is None:
+            try:
+                stage.prepare(ctx)
+            except ModelSupportError:  # raised again, and reported, where the stage's run waits for that work
+                continue
+
+
 def _stop_servers(ctx: CheckContext) -> None:
-    """Stop the servers the stages started: a run owns them (an in-process run must not leave them behind)."""
+    """Stop the servers and background jobs the stages started (also those whose stage never ran, since a
+    prerequisite failed): a run owns them (an in-process run must not leave them behind)."""
     from model_support.core.serving.backend import Server
+    from model_support.core.serving.process import ManagedProcess
+    from model_support.validation.context import ChatRenderer
 
     for value in ctx.artifacts.values():
-        if isinstance(value, Server):
+        if isinstance(value, Server | ManagedProcess | ChatRenderer):
             value.stop()

@@ -25,7 +25,9 @@ class StageResult:
     The runner adds this process's peak memory while the stage ran, in MiB (``None``: not measured; see
     ``validation/memory.py``): ``peak_gpu_mib`` / ``peak_gpu_reserved_mib`` allocated / reserved by
     torch's CUDA allocator, ``peak_host_mib`` the resident set, which is the process's peak so far
-    rather than the stage's where ``peak_host_lifetime`` is set. Child processes are not counted.
+    rather than the stage's where ``peak_host_lifetime`` is set. Child processes are not counted. ``time_split``
+    says where ``duration_s`` went (``core/timing.py``): seconds building the model, in the oracle, autotuning
+    kernels, waiting for a server to start, and the rest (``comparison``).
     """
 
     stage: str
@@ -35,6 +37,7 @@ class StageResult:
     thresholds: dict[str, float] = field(default_factory=dict)
     details: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    time_split: dict[str, float] = field(default_factory=dict)
     peak_gpu_mib: float | None = None
     peak_gpu_reserved_mib: float | None = None
     peak_host_mib: float | None = None
@@ -54,6 +57,7 @@ class StageResult:
             "thresholds": self.thresholds,
             "details": self.details,
             "duration_s": round(self.duration_s, 3),
+            "time_split_s": self.time_split,
             **{key: None if mib is None else round(mib, 1) for key, mib in peaks.items()},
             "peak_host_lifetime": self.peak_host_lifetime,
         }
@@ -90,6 +94,13 @@ class Stage(ABC):
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         """Why this stage does not apply to the model at hand (``None``: it applies)."""
+        return None
+
+    def prepare(self, ctx: CheckContext) -> None:
+        """Start, in the background, slow work ``run`` will wait for (a server's start), so that it overlaps the
+        stages before this one. Called for every planned stage that applies before each stage runs, until this one
+        runs (what an earlier stage built may let it start more), so it starts each thing at most once; whatever
+        fails here fails again, and is reported, where ``run`` waits for it."""
         return None
 
     @abstractmethod

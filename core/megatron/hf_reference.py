@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from model_support.core import timing
 from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.codecs import PEFT_PREFIX, load_peft_adapter
 from model_support.core.errors import ModelSupportError
@@ -166,14 +167,18 @@ class StreamedReference:
 
         self.checkpoint = TextCheckpoint(Path(model_dir))
         self.device, self.dtype = device, dtype
+        if device.type == "cuda":  # transformers' own fla kernels (below fp32) read the shipped tuned settings too
+            from model_support.kernels.tuning import seed_triton_cache
+
+            seed_triton_cache()
         with _parameters_on_meta():
             self.model = _model_class(config).from_config(config, dtype=dtype).eval()
         for module in self.model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
-        if dtype == torch.float32:
-            _torch_kernels(self.model)
+        # Gated DeltaNet layers on transformers' torch path (fp32: the oracle): none autotunes a kernel.
+        self.torch_gdn_layers = _torch_kernels(self.model) if dtype == torch.float32 else 0
         num_layers = int(text_config(config).num_hidden_layers)
         self.layers = _decoder_layers(self.model, num_layers)
         self._by_layer: dict[int | None, list[str]] = {}
@@ -252,6 +257,7 @@ class StreamedReference:
         captures: list[RouterCapture] = []
         try:
             with (
+                timing.phase("oracle"),
                 routing_hooks(self.model, captures if routers else None, replay),
                 exact_fp32(self.dtype == torch.float32),
             ):
@@ -275,6 +281,13 @@ def whole_reference(
     """The whole transformers model in memory (every layer loaded as :class:`StreamedReference` loads one, with
     ``adapter`` merged), for autograd through it: gradients of its weights name checkpoint tensors through
     :func:`checkpoint_gradients`. Its MoE routing can be recorded or replayed with :func:`routing_hooks`."""
+    with timing.phase("oracle"):
+        return _whole_reference(model_dir, config, device, dtype, adapter)
+
+
+def _whole_reference(
+    model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype, adapter: dict[str, LoraDelta] | None
+) -> torch.nn.Module:
     reference = StreamedReference(model_dir, config, device, dtype)
     # Below fp32 too: fla's Gated DeltaNet backward refuses Hopper with Triton < 3.7.1, transformers' torch path runs.
     _torch_kernels(reference.model)
@@ -396,21 +409,32 @@ def checkpoint_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return revert_weight_conversion(model, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
 
-def _torch_kernels(model: torch.nn.Module) -> None:
-    """Run the fp32 oracle's Gated DeltaNet layers on transformers' own torch reference
-    (``torch_chunk_gated_delta_rule`` and the torch causal convolution of the family's modeling module) where
-    transformers would dispatch to fla's
-    Triton kernels: the oracle's job is exactness, and fla would autotune its kernels anew at full precision for
-    minutes on a fresh GPU."""
+def _torch_kernels(model: torch.nn.Module) -> int:
+    """Run the fp32 oracle's Gated DeltaNet layers on transformers' own torch reference where transformers would
+    dispatch to fla's Triton kernels: ``torch_chunk_gated_delta_rule``, the torch causal convolution and the
+    family's torch gated RMSNorm (``*RMSNormGated`` of its modeling module, in place of fla's
+    ``FusedRMSNormGated``; built on the meta device, its weight is loaded with the layer's). The oracle's job is
+    exactness, and fla would autotune its kernels anew at full precision for minutes on a fresh GPU. Returns how
+    many layers it switched."""
     import sys
 
-    for module in model.modules():
+    switched = 0
+    for module in list(model.modules()):
         if not hasattr(module, "chunk_gated_delta_rule"):
             continue
         modeling = sys.modules[type(module).__module__]
         module.chunk_gated_delta_rule = getattr(modeling, "torch_chunk_gated_delta_rule", module.chunk_gated_delta_rule)
         if hasattr(module, "causal_conv1d_fn"):
             module.causal_conv1d_fn = None  # the modeling code's own conv1d + silu path
+        # The modeling module's own class (fla's FusedRMSNormGated is imported into its namespace too).
+        own = (getattr(modeling, n) for n in dir(modeling) if n.endswith("RMSNormGated"))
+        torch_norm = next((c for c in own if getattr(c, "__module__", None) == modeling.__name__), None)
+        norm = getattr(module, "norm", None)
+        if torch_norm is not None and norm is not None and not isinstance(norm, torch_norm):
+            with torch.device("meta"):
+                module.norm = torch_norm(norm.weight.shape[0], eps=module.layer_norm_epsilon)
+        switched += 1
+    return switched
 
 
 def _drop_weights(module: torch.nn.Module) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from model_support.core import api
+from model_support.core import api, timing
 from model_support.core.api import TrainingModel
 from model_support.core.megatron.builder import MegatronModel
 from model_support.core.megatron.dist import device
@@ -42,7 +42,8 @@ def training_model(ctx: Any) -> TrainingModel:
     if MODEL_KEY not in ctx.artifacts:
         start = time.perf_counter()
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[ctx.dtype]
-        model = api.build_model(ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype)
+        with timing.phase("build"):
+            model = api.build_model(ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype)
         model.module.eval()
         ctx.artifacts[MODEL_KEY] = model
         ctx.artifacts["megatron_build_s"] = time.perf_counter() - start
@@ -58,7 +59,8 @@ def hf_reference(ctx: Any, dtype: torch.dtype = torch.float32) -> StreamedRefere
     """The run's transformers reference in ``dtype`` on the device the Megatron model uses (built on first use)."""
     key = f"{REFERENCE_KEY}:{dtype}"
     if key not in ctx.artifacts:
-        ctx.artifacts[key] = StreamedReference(ctx.model_dir, ctx.config, device(), dtype)
+        with timing.phase("oracle"):
+            ctx.artifacts[key] = StreamedReference(ctx.model_dir, ctx.config, device(), dtype)
     return ctx.artifacts[key]
 
 

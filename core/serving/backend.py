@@ -25,6 +25,14 @@ class Server(Protocol):
     @property
     def pid(self) -> int: ...
 
+    def wait_ready(self) -> Server:
+        """Block until the server answers (at once when it already did); raise if it died or never came up."""
+        ...
+
+    def start_in_background(self) -> Server:
+        """Wait for the server in the background (:meth:`wait_ready` then waits for that)."""
+        ...
+
     def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]: ...
 
     def choices(self, prompt: list[int], *, model: str | None = None, **params: Any) -> list[dict[str, Any]]: ...
@@ -60,7 +68,11 @@ class ServingBackend(Protocol):
 
     def version(self) -> str: ...
 
-    def serve(self, model_dir: Path, served_name: str, options: Any, log_path: Path) -> Server: ...
+    def serve(self, model_dir: Path, served_name: str, options: Any, log_path: Path, *, wait: bool = True) -> Server:
+        """Start a server; with ``wait=False`` return once its process runs and its start is awaited in the
+        background (``Server.start_in_background``; ``Server.wait_ready`` waits for it), so that the caller can do
+        other work meanwhile."""
+        ...
 
 
 def serving_backends(env: dict[str, str] | None = None) -> dict[str, ServingBackend]:

@@ -1,6 +1,6 @@
 """A child process that is always reaped: on stop, at interpreter exit, and when this process dies.
 
-vLLM servers and the ``parallel_parity`` torchrun job run as a :class:`ManagedProcess`. The command runs under
+vLLM servers and the ``parallel_parity`` job run as a :class:`ManagedProcess`. The command runs under
 :mod:`model_support.core.serving.launcher` (see there for how it survives a SIGKILL of this process and reaches the
 command's descendants). ``PR_SET_PDEATHSIG`` fires when the *thread* that started the launcher ends, so start
 children from a thread that lives as long as the child should (the main thread in the CLI and tests).

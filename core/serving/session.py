@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from model_support.core import api
+from model_support.core import api, timing
 from model_support.core.codecs import load_peft_adapter
 from model_support.core.megatron.session import LORA_RANK, megatron_lora, training_model
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
@@ -35,6 +35,7 @@ ADAPTER_KEY = "serving.adapter_dir"
 SERVER_KEY = "serving.server"
 SERVED_KEY = "serving.served"  # "base", "policy" or "rl": the weights the server holds now
 POLICY_SERVER_KEY = "serving.policy_server"  # only where weights cannot be pushed in place (inplace_gap)
+LORA_SERVER_KEY = "serving.lora_server"  # native_vllm_lora's own, only where the shared one runs no LoRA (lora_gap)
 # Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
 # build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
 CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
@@ -92,20 +93,70 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
     )
 
 
-def server(ctx: CheckContext) -> Server:
-    """The run's one server on the base checkpoint, ``<handler>@0`` (started on first use)."""
-    found = ctx.artifacts.get(SERVER_KEY)
+def _start_on_base(ctx: CheckContext, key: str, served_name: str, lora: bool, log_name: str) -> Server:
+    """The server ``ctx.artifacts[key]`` on the base checkpoint: started on the first call, not waited for (a stage's
+    ``prepare`` starts it while earlier stages run; ``wait_ready`` waits)."""
+    found = ctx.artifacts.get(key)
     if found is None:
-        lora = ctx.spec.vllm_lora.native and lora_gap(ctx) is None
-        found = backend().serve(
-            ctx.model_dir,
-            f"{ctx.spec.name}@0",
-            serve_options(ctx, enable_lora=lora),
-            serving_workdir(ctx) / "vllm.log",
-        )
-        ctx.artifacts[SERVER_KEY] = found
-        ctx.artifacts[SERVED_KEY] = "base"
+        options = serve_options(ctx, enable_lora=lora)
+        found = backend().serve(ctx.model_dir, served_name, options, serving_workdir(ctx) / log_name, wait=False)
+        ctx.artifacts[key] = found
+        if key == SERVER_KEY:
+            ctx.artifacts[SERVED_KEY] = "base"
     return found
+
+
+def start_server(ctx: CheckContext) -> Server:
+    """The run's one server on the base checkpoint, ``<handler>@0`` (LoRA on where the build can serve the handler's
+    adapter natively), started and not waited for."""
+    lora = ctx.spec.vllm_lora.native and lora_gap(ctx) is None
+    return _start_on_base(ctx, SERVER_KEY, f"{ctx.spec.name}@0", lora, "vllm.log")
+
+
+def server(ctx: CheckContext) -> Server:
+    """The run's one server on the base checkpoint, ready (:func:`start_server`)."""
+    with timing.phase("server_start"):
+        return start_server(ctx).wait_ready()
+
+
+def start_lora_server(ctx: CheckContext) -> Server:
+    """A LoRA-enabled server of ``native_vllm_lora``'s own on the base checkpoint (``<handler>-base``), for a build
+    whose shared server cannot run the handler's LoRA (:func:`lora_gap`), started and not waited for."""
+    return _start_on_base(ctx, LORA_SERVER_KEY, f"{ctx.spec.name}-base", True, "vllm-lora.log")
+
+
+def start_policy_server(ctx: CheckContext) -> Server:
+    """A server of the policy's own (``<handler>-policy``), for a build that cannot take weights in place
+    (:func:`inplace_gap`): started on the policy's merged weights written as a checkpoint, not waited for."""
+    found = ctx.artifacts.get(POLICY_SERVER_KEY)
+    if found is None:
+        weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
+        log = serving_workdir(ctx) / "vllm-policy.log"
+        found = backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
+        ctx.artifacts[POLICY_SERVER_KEY] = found
+    return found
+
+
+def prestart_policy(ctx: CheckContext) -> None:
+    """Start in the background the server :func:`serve_policy` will hold the policy in: the shared one; where the
+    policy needs a server of its own (:func:`inplace_gap`), that one, once the Megatron trainer has written the
+    policy adapter (``lora_coverage``; the runner prepares again after each stage)."""
+    if inplace_gap(ctx) is None:
+        start_server(ctx)
+    elif MEGATRON_ADAPTER_KEY in ctx.artifacts:
+        start_policy_server(ctx)
+
+
+def prestart_native_lora(ctx: CheckContext) -> None:
+    """Start in the background the server a natively served adapter goes to: the shared one, or a LoRA server of
+    its own where the shared one runs no LoRA (:func:`lora_gap`). Nothing for a merged-only handler (the stage asks
+    vLLM first whether it could serve the adapter)."""
+    if not ctx.spec.vllm_lora.native:
+        return
+    if lora_gap(ctx) is None:
+        start_server(ctx)
+    else:
+        start_lora_server(ctx)
 
 
 def serve_base(ctx: CheckContext) -> Server:
@@ -156,12 +207,9 @@ def serve_policy(ctx: CheckContext) -> Server:
     Megatron model; where the build cannot take weights in place (:func:`inplace_gap`), a server started on
     those merged weights written as a checkpoint (``<handler>-policy``)."""
     if inplace_gap(ctx) is not None:
-        if POLICY_SERVER_KEY not in ctx.artifacts:
-            weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
-            ctx.artifacts[POLICY_SERVER_KEY] = backend().serve(
-                weights, f"{ctx.spec.name}-policy", serve_options(ctx), serving_workdir(ctx) / "vllm-policy.log"
-            )
-        return ctx.artifacts[POLICY_SERVER_KEY]
+        policy_server = start_policy_server(ctx)
+        with timing.phase("server_start"):
+            return policy_server.wait_ready()
     running = server(ctx)
     if ctx.artifacts[SERVED_KEY] != "policy":
         api.push_weights(running, policy_model(ctx))

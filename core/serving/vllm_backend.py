@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,6 +64,9 @@ class VllmServer:
         self.model_dir, self.options = model_dir, options
         self.base_url = f"http://127.0.0.1:{port}"
         self._updater: WeightUpdater | None = None
+        self._ready = False
+        self._background: threading.Thread | None = None
+        self._background_error: Exception | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -70,23 +74,54 @@ class VllmServer:
         return self.process.pid
 
     def wait_ready(self) -> VllmServer:
+        """Block until the server has answered a first request (:meth:`start_in_background`'s wait, if running)."""
         from model_support.core import progress
 
-        deadline = time.monotonic() + self.options.startup_timeout_s
+        if self._ready:
+            return self
         # A start takes minutes: a progress step (spinner and elapsed time) names the log to follow meanwhile.
         with progress.step(f"starting vLLM (log: {self.process.log_path})"):
-            while time.monotonic() < deadline:
-                if not self.process.alive():
-                    raise ServerError(f"vLLM exited while starting: {self.root_cause()} (log: {self.process.log_path})")
-                try:
-                    with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as resp:
-                        if resp.status == 200:
-                            return self
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-                time.sleep(1.0)
+            if self._background is None:
+                self._until_ready()
+            else:
+                self._background.join()
+                if self._background_error is not None:
+                    raise self._background_error
+        self._ready = True
+        return self
+
+    def start_in_background(self) -> VllmServer:
+        """Wait for the server (and send its first request) in a thread of this process, so that the caller goes on
+        with other work; :meth:`wait_ready` then waits for that thread."""
+        if self._background is None and not self._ready:
+            self._background = threading.Thread(target=self._until_ready_in_background, daemon=True)
+            self._background.start()
+        return self
+
+    def _until_ready_in_background(self) -> None:
+        try:
+            self._until_ready()
+        except Exception as exc:  # raised in the thread that waits (wait_ready), where it is reported
+            self._background_error = exc
+
+    def _until_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.process.alive():
+                raise ServerError(f"vLLM exited while starting: {self.root_cause()} (log: {self.process.log_path})")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        else:
             self.stop()
             raise ServerError(f"vLLM did not become healthy in {self.options.startup_timeout_s:.0f} s")
+        # The CPU build's first request that asks for prompt log-probabilities waits about 7 s (idle, once per
+        # server): a request of two tokens takes that wait here, where a start in the background hides it.
+        self.completion([1, 2], max_tokens=1, temperature=0.0, prompt_logprobs=0)
 
     def stop(self) -> None:
         self.process.stop()
@@ -188,7 +223,9 @@ class VllmBackend:
     def version(self) -> str:
         return self.runtime().vllm_version
 
-    def serve(self, model_dir: Path, served_name: str, options: ServeOptions, log_path: Path) -> VllmServer:
+    def serve(
+        self, model_dir: Path, served_name: str, options: ServeOptions, log_path: Path, *, wait: bool = True
+    ) -> VllmServer:
         runtime = self.runtime()
         port = free_port()
         args = [
@@ -234,6 +271,9 @@ class VllmBackend:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             "VLLM_NO_USAGE_STATS": "1",
+            # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this
+            # is off; the API server runs its engine core in a process of its own either way.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             # vLLM's ZMQ IPC sockets, in the server's own temporary directory like its other temporary files (see
@@ -243,4 +283,5 @@ class VllmBackend:
             "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", "."),
         }
         process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
-        return VllmServer(process, port, served_name, model_dir, options).wait_ready()
+        server = VllmServer(process, port, served_name, model_dir, options)
+        return server.wait_ready() if wait else server.start_in_background()

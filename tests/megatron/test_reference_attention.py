@@ -52,3 +52,28 @@ def test_blocked_eager_attention_matches_the_familys_own(monkeypatch: pytest.Mon
     assert expected_grads.keys() == grads.keys() and any("sinks" in n for n in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_oracle_runs_the_familys_torch_gated_norm(tiny_model_dir) -> None:
+    """Where fla is installed transformers builds fla's FusedRMSNormGated (a Triton kernel that autotunes); the fp32
+    oracle's layers get the family's torch RMSNormGated instead, on the meta device until their weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir("qwen3.5"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    class FusedRMSNormGated(torch.nn.Module):  # fla's, by name and shape
+        def __init__(self, size: int) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(size))
+
+    gdn = [m for m in model.modules() if hasattr(m, "chunk_gated_delta_rule")]
+    assert gdn
+    for module in gdn:
+        module.norm = FusedRMSNormGated(module.norm.weight.shape[0])
+    assert hf_reference._torch_kernels(model) == len(gdn)
+    for module in gdn:
+        assert type(module.norm).__name__.endswith("RMSNormGated") and type(module.norm) is not FusedRMSNormGated
+        assert module.norm.weight.is_meta and module.norm.variance_epsilon == module.layer_norm_epsilon
+        assert module.chunk_gated_delta_rule.__name__ == "torch_chunk_gated_delta_rule"

@@ -36,6 +36,12 @@ class ChatTemplateRolloutStage(Stage):
     requires = ("merged_serving",)
     max_tokens = 12
 
+    def prepare(self, ctx: CheckContext) -> None:
+        ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
+        from model_support.core.serving.session import prestart_policy
+
+        prestart_policy(ctx)
+
     def run(self, ctx: CheckContext) -> StageResult:
         import torch
 

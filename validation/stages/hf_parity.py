@@ -34,7 +34,7 @@ class HfParityStage(Stage):
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.megatron.compare import tolerance_note
-        from model_support.core.megatron.session import LOWP_KEY, long_row, megatron_model, random_tokens
+        from model_support.core.megatron.session import LOWP_KEY, hf_reference, long_row, megatron_model, random_tokens
         from model_support.validation.reference_rows import compare_with_reference
 
         built = megatron_model(ctx)
@@ -65,7 +65,8 @@ class HfParityStage(Stage):
             thresholds["mtp_layers_built"] = 0
         details = [
             f"model under test: {built.numerics.describe(bool(ctx.layout.gdn_layers))}",
-            "reference: transformers, float32, streamed one decoder layer at a time on the same device",
+            "reference: transformers, float32, streamed one decoder layer at a time on the same device"
+            + self._oracle_kernels(hf_reference(ctx).torch_gdn_layers),
             f"rows: {self.batch} x {self.seq_len} tokens, and 1 x {length} ({self._structures(ctx)})",
             tolerance_note(dtype),
             f"bridge {type(built.bridge).__name__}, {len(built.mapped)} Megatron parameters filled by its mappings",
@@ -83,6 +84,15 @@ class HfParityStage(Stage):
             f"max |Δlogit| {max(metrics['max_abs_err'], metrics['long_max_abs_err']):.2e} ({metrics['dtype']})"
         )
         return self.judge(metrics, thresholds, summary, details, ctx=ctx)
+
+    @staticmethod
+    def _oracle_kernels(torch_gdn_layers: int) -> str:
+        if not torch_gdn_layers:
+            return ""
+        return (
+            f"; its {torch_gdn_layers} Gated DeltaNet layer(s) on transformers' torch path "
+            "(torch_chunk_gated_delta_rule, the torch convolution and gated RMSNorm): no kernel autotunes for it"
+        )
 
     @staticmethod
     def _structures(ctx: CheckContext) -> str:

@@ -107,6 +107,7 @@ def reference_run(
     """Each row ([1, S]) alone through the whole transformers model, forward and backward of its summed token cross
     entropy: (the per-token losses, the checkpoint tensors' gradients, each row's top-k indices per MoE block). With
     ``replay`` (one such routing per row) the MoE blocks take it instead of choosing."""
+    from model_support.core import timing
     from model_support.core.megatron.hf_reference import checkpoint_gradients, routing_hooks
     from model_support.core.precision import exact_fp32
 
@@ -115,7 +116,7 @@ def reference_run(
     losses, routing = [], []
     for i, tokens in enumerate(rows):
         captures: list[Any] = []
-        with routing_hooks(model, captures, None if replay is None else replay[i]):
+        with timing.phase("oracle"), routing_hooks(model, captures, None if replay is None else replay[i]):
             with exact_fp32(weight.dtype == torch.float32):
                 out = model(input_ids=tokens.to(weight.device), use_cache=False).logits
             loss = token_losses(out[0], tokens[0])

@@ -104,6 +104,11 @@ class MergedServingStage(Stage):
 
         return backend().unavailable_reason()
 
+    def prepare(self, ctx: CheckContext) -> None:
+        from model_support.core.serving.session import prestart_policy
+
+        prestart_policy(ctx)
+
     def run(self, ctx: CheckContext) -> StageResult:
         import torch
         from packaging.version import Version

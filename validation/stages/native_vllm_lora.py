@@ -76,6 +76,11 @@ class NativeVllmLoraStage(Stage):
 
         return backend().unavailable_reason()
 
+    def prepare(self, ctx: CheckContext) -> None:
+        from model_support.core.serving.session import prestart_native_lora
+
+        prestart_native_lora(ctx)
+
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.serving.session import backend, lora_gap, serving_workdir
 
@@ -106,6 +111,7 @@ class NativeVllmLoraStage(Stage):
         a LoRA-enabled server of its own, stopped at the end."""
         import torch
 
+        from model_support.core import timing
         from model_support.core.serving import session
 
         adapter, origin = session.policy_adapter(ctx)
@@ -117,9 +123,8 @@ class NativeVllmLoraStage(Stage):
             if shared:
                 server = session.serve_base(ctx)
             else:
-                own = server = session.backend().serve(
-                    ctx.model_dir, f"{ctx.spec.name}-base", options, session.serving_workdir(ctx) / "vllm-lora.log"
-                )
+                with timing.phase("server_start"):
+                    own = server = session.start_lora_server(ctx).wait_ready()
             server.load_lora(lora_name, adapter)
             choices = [
                 server.completion(p, model=lora_name, max_tokens=1, temperature=0.0, prompt_logprobs=0) for p in prompts
@@ -131,6 +136,7 @@ class NativeVllmLoraStage(Stage):
         finally:
             if own is not None:
                 own.stop()
+                ctx.artifacts.pop(session.LORA_SERVER_KEY, None)
         reference = session.trainer_logprobs(ctx, adapter, prompts)
         delta = torch.cat(
             [

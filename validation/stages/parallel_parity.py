@@ -6,7 +6,7 @@ import os
 import sys
 from math import inf
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -14,6 +14,11 @@ from model_support.core.parallel import ParallelLayout
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+
+if TYPE_CHECKING:
+    from model_support.core.serving.process import ManagedProcess
+
+JOB_KEY = "parallel_parity.job"  # the ranks' job, started by ``prepare`` while earlier stages run
 
 # Layouts checked when the run names none, on world sizes 2 and 4: tensor (with and without sequence parallel),
 # pipeline (with virtual stages), context parallel, and tensor x pipeline for every family; for MoE also expert
@@ -43,7 +48,8 @@ def _error_line(out: Path, layout: str) -> str:
 
 class ParallelParityStage(Stage):
     """The handler's model in each parallel layout against the same model on one rank (the oracle, fp32), in one
-    ``torchrun`` job (:mod:`model_support.validation.parallel_worker`; gloo on the CPU): the same canonical random
+    job of ranks forked from one process (:mod:`model_support.validation.parallel_worker`, started while the stages
+    before this one run; gloo on the CPU): the same canonical random
     LoRA, the same tokens (rows across every length-dependent structure of the model, as in ``hf_parity``, rounded
     up to a multiple of every split). Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the
     loss, every LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and
@@ -85,14 +91,8 @@ class ParallelParityStage(Stage):
     }
     timeout_s = 900
 
-    def run(self, ctx: CheckContext) -> StageResult:
-        from safetensors.torch import load_file
-
-        from model_support.core.serving.process import ManagedProcess
-        from model_support.core.serving.vllm_backend import free_port
-        from model_support.validation.parallel_worker import LR
-        from model_support.validation.selftest import active_mutation
-
+    def _layouts(self, ctx: CheckContext) -> tuple[list[str], list[str]]:
+        """(the layouts to check, a details line for each asked-for layout that cannot be)."""
         details: list[str] = []
         layouts: list[str] = []
         for name in ctx.layouts or default_layouts(ctx.layout.moe is not None):
@@ -104,29 +104,55 @@ class ParallelParityStage(Stage):
                 details.append(f"{name}: not checked, the model cannot be split so ({cannot})")
             else:
                 layouts.append(name)
-        if not layouts:
-            return self.skipped(f"no layout asked for can be checked: {'; '.join(details)}")
+        return layouts, details
+
+    def prepare(self, ctx: CheckContext) -> None:
+        """Start the job: it reads only the checkpoint, so it runs while the stages before this one do."""
+        layouts, _ = self._layouts(ctx)
+        if layouts and JOB_KEY not in ctx.artifacts:
+            ctx.artifacts[JOB_KEY] = self._start(ctx, layouts)
+
+    def _start(self, ctx: CheckContext, layouts: list[str]) -> ManagedProcess:
+        """The job over ``layouts`` (and the single-rank oracle), under the launcher: the job and its
+        workers die with this process however it ends."""
+        from model_support.core.serving.process import ManagedProcess
+        from model_support.core.serving.vllm_backend import free_port
+        from model_support.validation.selftest import active_mutation
+
         world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
-        out = ctx.workdir / "parallel-parity"
-        log = ctx.workdir / "parallel-parity.log"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}"]
-        cmd += [f"--master_port={free_port()}", "-m", "model_support.validation.parallel_worker"]
-        cmd += [str(out), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
+        cmd = [sys.executable, "-m", "model_support.validation.parallel_worker", f"--world={world}"]
+        cmd += [f"--master-port={free_port()}"]
+        cmd += [str(self._out(ctx)), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
         mutation = active_mutation()
         if mutation is not None:  # `model-support selftest` injects its bug into the workers too
             cmd += ["--mutation", mutation]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        gpus = torch.cuda.device_count()
-        if gpus < world:  # one process per GPU, or all on the CPU (gloo)
+        if torch.cuda.device_count() < world:  # one process per GPU, or all on the CPU (gloo)
             env["CUDA_VISIBLE_DEVICES"] = ""
-        # Under the launcher, so that torchrun and its workers die with this process however it ends.
-        job = ManagedProcess(Path(sys.executable), cmd, env=env, log_path=log).start()
+        return ManagedProcess(Path(sys.executable), cmd, env=env, log_path=ctx.workdir / "parallel-parity.log").start()
+
+    @staticmethod
+    def _out(ctx: CheckContext) -> Path:
+        return ctx.workdir / "parallel-parity"
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        from safetensors.torch import load_file
+
+        from model_support.validation.parallel_worker import LR
+
+        layouts, details = self._layouts(ctx)
+        if not layouts:
+            return self.skipped(f"no layout asked for can be checked: {'; '.join(details)}")
+        world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
+        out, log = self._out(ctx), ctx.workdir / "parallel-parity.log"
+        gpus = torch.cuda.device_count()
+        job = ctx.artifacts.pop(JOB_KEY, None) or self._start(ctx, layouts)
         try:
             exit_code = job.wait(self.timeout_s)
         finally:
             job.stop()
         if exit_code is None:
-            return self.failed(f"the torchrun job did not finish in {self.timeout_s} s (stopped); see {log}")
+            return self.failed(f"the parallel job did not finish in {self.timeout_s} s (stopped); see {log}")
         oracle_file = out / "single.safetensors"
         if not oracle_file.exists():
             error = _error_line(out, "single")

@@ -82,6 +82,12 @@ class RlTrainabilityStage(Stage):
             return f"the CPU vLLM build ({runtime}) cannot take {ctx.spec.name}'s weights in place: {gap}"
         return None
 
+    def prepare(self, ctx: CheckContext) -> None:
+        from model_support.core.serving.session import start_server
+
+        ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
+        start_server(ctx)
+
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core import api
         from model_support.core.layout import text_config

@@ -52,6 +52,11 @@ class TrainInferenceMismatchStage(Stage):
     packages = MEGATRON_PACKAGES
     prompts, prompt_len, max_tokens = 2, 8, 16  # and one long prompt (session.random_prompts)
 
+    def prepare(self, ctx: CheckContext) -> None:
+        from model_support.core.serving.session import prestart_policy
+
+        prestart_policy(ctx)
+
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.serving import session
 

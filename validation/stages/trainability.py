@@ -41,6 +41,9 @@ class TrainabilityStage(Stage):
     thresholds: ClassVar[dict[str, float]] = {"loss_ratio": 0.5, "base_params_changed": 0}
     max_steps, warmup_steps, clip_norm = 40, 5, 1.0
 
+    def prepare(self, ctx: CheckContext) -> None:
+        ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
+
     def run(self, ctx: CheckContext) -> StageResult:
 
         from model_support.core.layout import text_config

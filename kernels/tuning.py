@@ -1,0 +1,80 @@
+"""Tuned kernel settings shipped with the project, so that a fresh GPU does not autotune for minutes.
+
+fla's Triton kernels autotune on first use: every candidate setting of every kernel is compiled and timed, once per
+tuning key (the kernel's shape arguments and its tensors' dtypes), which took six minutes of a first check of a
+Qwen3.5 replica on a fresh H100. Triton keeps each result in its cache (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``) as ``<key>/<kernel>.autotune.json``, where the key hashes Triton's version, the GPU target,
+the kernel's source and the tuning key: an entry is only ever read for the exact Triton, GPU, kernel and shape it
+was tuned for, and a later run of that shape reads it instead of tuning again.
+
+``kernels/tuned/sm<CC>.json`` holds such entries for GPUs of one compute capability (``sm90``: Hopper, the H100 and
+H200, which Triton compiles for alike), harvested by ``benchmarks/time_to_verdict.py`` from checks of the reference
+configs' replicas on such a GPU. :func:`seed_triton_cache` copies the entries into Triton's cache before
+the first kernel runs (never over an entry already there); a shape the file does not hold autotunes as before, and
+the result stays in Triton's cache for the next run. ``MODEL_SUPPORT_TUNED_KERNELS=0`` leaves Triton's cache alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TUNED_DIR = Path(__file__).with_name("tuned")
+ENTRY_GLOB = "*/*.autotune.json"
+
+
+def tuned_file_name(capability: tuple[int, int]) -> str:
+    """The shipped file for GPUs of a compute capability (``(9, 0)``: ``sm90.json``)."""
+    return f"sm{capability[0]}{capability[1]}.json"
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton caches compiled kernels and autotuning results in this process."""
+    from triton import knobs
+
+    return Path(knobs.cache.dir)
+
+
+def harvest(cache_dir: Path) -> dict[str, Any]:
+    """Every autotuning result in the Triton cache ``cache_dir``: relative path -> the entry's JSON."""
+    return {str(p.relative_to(cache_dir)): json.loads(p.read_text()) for p in sorted(cache_dir.glob(ENTRY_GLOB))}
+
+
+def write_entries(entries: dict[str, Any], cache_dir: Path) -> int:
+    """Write each entry into ``cache_dir`` where it is not there yet; returns how many were written. Each file is
+    written whole before it takes its name (Triton reads any file that has the name)."""
+    written = 0
+    for relative, content in entries.items():
+        target = cache_dir / relative
+        if target.parent.parent != cache_dir or target.suffixes[-2:] != [".autotune", ".json"]:
+            raise ValueError(f"not an autotuning entry of a Triton cache: {relative}")
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(content))
+        partial.replace(target)
+        written += 1
+    return written
+
+
+@functools.cache
+def seed_triton_cache() -> int:
+    """Copy this GPU's shipped autotuning results into Triton's cache, once per process; returns how many entries
+    were new there (0 without CUDA or Triton, without a file for this GPU's compute capability, or where
+    ``MODEL_SUPPORT_TUNED_KERNELS`` is ``0``)."""
+    import torch
+
+    if os.environ.get("MODEL_SUPPORT_TUNED_KERNELS", "1") == "0" or not torch.cuda.is_available():
+        return 0
+    shipped = TUNED_DIR / tuned_file_name(torch.cuda.get_device_capability())
+    if not shipped.exists():
+        return 0
+    try:
+        cache_dir = triton_cache_dir()
+    except ImportError:
+        return 0
+    return write_entries(json.loads(shipped.read_text())["entries"], cache_dir)

@@ -1,0 +1,121 @@
+"""Where a stage's time goes (core/timing.py, the runner's ``time_split``) and background work a stage prepares."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_support.core import timing
+from model_support.core.layout import ModelLayout
+from model_support.core.registry import load_registry
+from model_support.core.serving.process import ManagedProcess
+from model_support.validation.context import CheckContext
+from model_support.validation.runner import plan, run_checks
+from model_support.validation.stage import Stage, StageResult
+
+
+class FakeClock:
+    """``time.perf_counter`` that moves only when told: phases are measured exactly."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", fake)
+    return fake
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> CheckContext:
+    registry = load_registry(env={})
+    layout = ModelLayout(num_layers=2, layer_types=("full_attention",) * 2, moe=None, mtp_layers=0)
+    return CheckContext("tiny", tmp_path, registry.get("qwen3"), None, layout, registry, tmp_path)
+
+
+def test_phases_nest_exclusively(clock: FakeClock) -> None:
+    """A phase inside another pauses it: each second is counted once, the rest is the comparison."""
+    with timing.measuring() as measured:
+        clock.advance(1)
+        with timing.phase("oracle"):
+            clock.advance(2)
+            with timing.phase("build"):  # the oracle's own model build
+                clock.advance(4)
+            clock.advance(8)
+        with timing.phase("oracle"):
+            clock.advance(16)
+    assert measured.split(total_s=40.0) == {"build": 4.0, "oracle": 26.0, "comparison": 10.0}
+
+
+def test_a_phase_outside_a_measurement_records_nothing(clock: FakeClock) -> None:
+    with timing.phase("build"):
+        clock.advance(3)
+    with timing.measuring() as measured:
+        pass
+    assert measured.split(total_s=0.0) == {"comparison": 0.0}
+
+
+class Builds(Stage):
+    name = "builds"
+    title = "Spends 2 s building and 1 s comparing."
+    order = 1
+    clock: FakeClock
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        with timing.phase("build"):
+            self.clock.advance(2)
+        self.clock.advance(1)
+        return self.passed("built")
+
+
+def test_the_report_splits_each_stage_time(ctx: CheckContext, clock: FakeClock, monkeypatch) -> None:
+    from model_support.validation import runner
+
+    monkeypatch.setattr(runner.time, "perf_counter", clock)
+    Builds.clock = clock
+    (result,) = run_checks(ctx, plan([Builds])).results
+    assert result.duration_s == 3.0
+    assert result.to_dict()["time_split_s"] == {"build": 2.0, "comparison": 1.0}
+
+
+class Fails(Stage):
+    name = "fails"
+    title = "Fails."
+    order = 1
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        return self.failed("no")
+
+
+class Prepares(Stage):
+    """Starts a long background job in ``prepare``, as parallel_parity starts its job and the serving stages their
+    server."""
+
+    name = "prepares"
+    title = "Needs fails."
+    order = 2
+    requires = ("fails",)
+
+    def prepare(self, ctx: CheckContext) -> None:
+        command = [sys.executable, "-c", "import time; time.sleep(600)"]
+        ctx.artifacts["job"] = ManagedProcess(Path(sys.executable), command, env={}, log_path=ctx.workdir / "j.log")
+        ctx.artifacts["job"].start()
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        raise AssertionError("must not run: its prerequisite failed")
+
+
+def test_background_work_of_a_stage_that_never_runs_is_stopped(ctx: CheckContext) -> None:
+    report = run_checks(ctx, plan([Fails, Prepares]))
+    assert [r.status.value for r in report.results] == ["fail", "skip"]
+    assert ctx.artifacts["job"].returncode() is not None  # started before the first stage, stopped with the run
