@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -215,18 +216,15 @@ def main(argv: list[str]) -> None:
 
 def launch(args: argparse.Namespace) -> None:
     """Run ``args.world`` ranks as forks of this process, each with the variables torchrun would set: the ranks
-    inherit the modules this process imported (torch, megatron-core, the bridge, transformers: seconds of CPU a rank
-    that would otherwise each import again). Forked before any rank touches CUDA, OpenMP or torch.distributed;
+    inherit the modules this process imported (torch, megatron-core, the bridge, transformers), seconds of CPU that
+    each rank would spend importing them again. Forked before any rank touches CUDA, OpenMP or torch.distributed;
     ``torch.multiprocessing`` ends the others when one fails."""
-
     import torch.multiprocessing as mp
 
     mp.start_processes(_rank, args=(args,), nprocs=args.world, start_method="fork")
 
 
 def _rank(rank: int, args: argparse.Namespace) -> None:
-    import os
-
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
