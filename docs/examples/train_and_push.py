@@ -52,7 +52,7 @@ def main(work: Path) -> int:
     with torch.no_grad():
         trainer = api.token_logprobs(model, PROMPTS[:1])[0][-1]
     try:
-        server = api.serve(model_dir, "qwen3@0", work / "vllm.log", dtype="float32")
+        server = api.serve(model_dir, "qwen3@0", work / "vllm.log", options=api.ServeOptions(dtype="float32"))
     except RuntimeMissingError as exc:
         print(f"no server to push to: {exc}")
         return 0

@@ -1,0 +1,64 @@
+"""``api.serve``'s options (``ServeOptions``): what each becomes on vLLM's command line, what is read from the
+checkpoint, and a real server on the project's own tiny Qwen3.5-MoE replica (multimodal and MoE) started with the
+defaults from a relative path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from model_support.core import api
+from model_support.core.serving.options import ServeOptions
+
+
+def test_options_become_vllm_arguments() -> None:
+    options = ServeOptions(
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=64,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        enforce_eager=False,
+        enable_lora=True,
+        max_lora_rank=32,
+        max_loras=4,
+        moe=True,
+        language_model_only=True,
+        extra_args=("--max-num-batched-tokens", "8192"),
+    )
+    assert options.vllm_args() == [
+        "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64", "--tensor-parallel-size", "2",
+        "--gpu-memory-utilization", "0.5", "--enable-lora", "--max-lora-rank", "32", "--max-loras", "4",
+        "--enable-mixed-moe-lora-format", "--language-model-only", "--max-num-batched-tokens", "8192",
+    ]  # fmt: skip
+    defaults = ServeOptions().vllm_args()
+    assert "--enforce-eager" in defaults
+    assert "--enable-lora" not in defaults and "--gpu-memory-utilization" not in defaults
+
+
+@pytest.mark.parametrize(
+    ("handler", "moe", "language_model_only"),
+    [("qwen3", False, False), ("qwen3-moe", True, False), ("qwen3.5", False, True), ("qwen3.5-moe", True, True)],
+)
+def test_moe_and_multimodal_are_read_from_the_checkpoint(tiny_model_dir, handler, moe, language_model_only) -> None:
+    read = ServeOptions().for_checkpoint(tiny_model_dir(handler))
+    assert (read.moe, read.language_model_only) == (moe, language_model_only)
+    kept = ServeOptions(moe=False, language_model_only=False).for_checkpoint(tiny_model_dir(handler))
+    assert (kept.moe, kept.language_model_only) == (False, False)
+
+
+def test_api_serve_starts_the_tiny_multimodal_moe_replica_from_a_relative_path(
+    runtime, tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_model_dir("qwen3.5-moe")
+    monkeypatch.chdir(tmp_path)  # vLLM itself runs in a directory of its own
+    relative = os.path.relpath(model, tmp_path)
+    server = api.serve(relative, "q35moe@0", "vllm.log", options=ServeOptions(dtype="bfloat16"))
+    try:
+        choice = server.completion([17, 101, 44, 250], max_tokens=2, temperature=0.0)
+        assert len(choice["token_ids"]) == 2 and server.models() == ["q35moe@0"]
+    finally:
+        server.stop()
+    assert (tmp_path / "vllm.log").exists()
