@@ -254,15 +254,29 @@ def serve(
 ) -> Server:
     """Start a server (an OpenAI-compatible vLLM in the managed runtime) on ``model_dir`` as ``served_name``, as
     ``options`` say (:class:`ServeOptions`; default: the options that serve every shipped family's tiny replica,
-    MoE and multimodal checkpoints read from their config). Relative paths are taken from this process's working
-    directory.
+    MoE and multimodal checkpoints read from their config). ``dtype="auto"`` on the CPU build takes the dtype the
+    checkpoint's handler declares for it (``RuntimePolicy.cpu_serving_dtype``: the CPU build runs Gated DeltaNet in
+    bf16 only), else the checkpoint's. Relative paths are taken from this process's working directory.
 
     Name it ``<model>@0``: each :meth:`Server.update_weights` advances the step (``@1``, ``@2`` ...). The server is
     a child process, stopped by ``server.stop()`` and reaped when this process exits.
     """
-    from model_support.core.serving.backend import get_backend
+    from dataclasses import replace
 
-    return get_backend(backend).serve(Path(model_dir), served_name, options or ServeOptions(), Path(log_path))
+    from model_support.core.errors import ModelSupportError
+    from model_support.core.serving.backend import get_backend
+    from model_support.core.serving.runtime import load_runtime
+
+    options = options or ServeOptions()
+    chosen = get_backend(backend)
+    if options.dtype == "auto" and backend == "vllm" and load_runtime().flavor == "cpu":
+        try:
+            policy = resolve(model_dir).spec.runtime
+        except ModelSupportError:  # no handler claims it: vLLM serves the checkpoint's own dtype
+            policy = None
+        if policy is not None and policy.cpu_serving_dtype is not None:
+            options = replace(options, dtype=policy.cpu_serving_dtype)
+    return chosen.serve(Path(model_dir), served_name, options, Path(log_path))
 
 
 def push_weights(server: Server, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
