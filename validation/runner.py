@@ -100,17 +100,22 @@ def plan(available: Sequence[type[Stage]], selected: Sequence[str] | None = None
     return sorted((by_name[n] for n in wanted), key=lambda s: (s.order, s.name))
 
 
+def _not_applicable(stage: Stage, ctx: CheckContext) -> str | None:
+    """Why ``stage`` cannot run on this model here: a package it imports is missing, or its own skip reason."""
+    for requirement in type(stage).packages:
+        reason = requirement.missing_reason()
+        if reason:
+            return reason
+    return stage.skip_reason(ctx)
+
+
 def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult]) -> StageResult:
     for req in type(stage).requires:
         prior = done.get(req)
         if prior is None or prior.status is not Status.PASS:
             state = "did not run" if prior is None else f"{prior.status}ed".replace("skiped", "skipped")
             return stage.skipped(f"requires stage {req!r}, which {state}")
-    for requirement in type(stage).packages:
-        reason = requirement.missing_reason()
-        if reason:
-            return stage.skipped(reason)
-    reason = stage.skip_reason(ctx)
+    reason = _not_applicable(stage, ctx)
     if reason:
         return stage.skipped(reason)
     try:
@@ -182,7 +187,7 @@ def _prepare(ctx: CheckContext, stages: Sequence[type[Stage]]) -> None:
     """Let each of ``stages`` that applies start its slow background work (``Stage.prepare``)."""
     for stage_cls in stages:
         stage = stage_cls()
-        if all(r.missing_reason() is None for r in stage_cls.packages) and stage.skip_reason(ctx) is None:
+        if not _not_applicable(stage, ctx):
             try:
                 stage.prepare(ctx)
             except ModelSupportError:  # raised again, and reported, where the stage's run waits for that work
