@@ -20,6 +20,7 @@ them down) and sets up a world of one otherwise.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from model_support.core.megatron.builder import MegatronModel
-    from model_support.core.megatron.forward import MicroBatch, StepOutput
+    from model_support.core.megatron.forward import LossInputs, MicroBatch, Normalize, StepOutput, TokenScores
     from model_support.core.megatron.lora import LoraReport
     from model_support.core.serving.backend import Server
 
@@ -55,11 +56,14 @@ __all__ = [
     "forward_backward",
     "group_logprobs",
     "load_adapter",
+    "load_state",
     "merged_weights",
+    "push_adapter",
     "push_weights",
     "reduce_lora_grads",
     "resolve",
     "save_merged",
+    "save_state",
     "serve",
     "token_logprobs",
 ]
@@ -210,6 +214,29 @@ def load_adapter(model: TrainingModel, adapter_dir: str | Path) -> None:
     load_lora_state(model.chunks, model.spec.codec.from_peft(tensors, model.config, model.layout))
 
 
+def save_state(model: TrainingModel, optimizer: torch.optim.Optimizer, path: str | Path, *, step: int) -> Path:
+    """Save what resuming the run needs at ``path`` (a new directory), atomically: every rank's LoRA tensors as the
+    rank holds them, its ``optimizer.state_dict()`` and RNG states (torch CPU and CUDA, Python, numpy, megatron-core's
+    tensor-parallel CUDA tracker) in ``rank-NNNNN.pt``, and rank 0's ``manifest.json`` with ``step``, the model and
+    the parallel layout. Every rank calls it (on a file system they share). Returns ``path``.
+    See :mod:`model_support.core.megatron.state`."""
+    from model_support.core.megatron.state import save_state as save
+
+    _require_lora(model)
+    return save(model.chunks, optimizer, Path(path), step=step, model=model.spec.name)
+
+
+def load_state(model: TrainingModel, optimizer: torch.optim.Optimizer, path: str | Path) -> int:
+    """Load what :func:`save_state` wrote into the model's LoRA, ``optimizer`` (built over the same parameters) and
+    the RNGs, and return its step: the next step then computes what the uninterrupted run's would, bit for bit.
+    A state of another model, LoRA shape or parallel layout is refused with a one-line
+    :class:`~model_support.core.megatron.state.StateError`, nothing loaded. Every rank calls it."""
+    from model_support.core.megatron.state import load_state as load
+
+    _require_lora(model)
+    return load(model.chunks, optimizer, Path(path), model=model.spec.name)
+
+
 def merged_weights(
     model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[dict[str, torch.Tensor]]:
@@ -279,24 +306,63 @@ def serve(
     return chosen.serve(Path(model_dir), served_name, options, Path(log_path))
 
 
-def push_weights(server: Server, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
-    """Push the model's merged weights into ``server`` in place; returns the new served name (``model@N``)."""
-    return server.update_weights(merged_weights(model, bucket_bytes=bucket_bytes))
+def push_weights(
+    server: Server | None, model: TrainingModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> str | None:
+    """Push the model's merged weights into ``server`` in place (``Server.update_weights``: streamed, applied after
+    the last bucket, generation paused only for the swap); returns the new served name (``model@N``).
+
+    Every rank calls it (the gathers are collectives): the rank that talks to the server passes it, the others
+    pass ``None`` and get ``None``."""
+    weights = merged_weights(model, bucket_bytes=bucket_bytes)
+    if server is None:
+        for _ in weights:  # this rank takes part in the gathers only
+            pass
+        return None
+    return server.update_weights(weights)
+
+
+def push_adapter(server: Server | None, model: TrainingModel) -> str | None:
+    """Hot-swap the model's LoRA into ``server`` as a PEFT adapter (exported through the handler's codec): loaded
+    as ``<model>-lora@N+1`` beside the untouched base, the previous adapter unloaded; returns the adapter's name,
+    to send requests to. For families whose vLLM LoRA is native (``spec.vllm_lora.native``; the server started
+    with ``ServeOptions(enable_lora=True)``). Every rank calls it (:func:`export_adapter` gathers); the rank that
+    talks to the server passes it, the others pass ``None`` and get ``None``."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    # Only rank 0 writes the adapter (export_adapter); the other ranks' directory is never created.
+    out = Path(tempfile.mkdtemp(prefix="adapter-")) if writes else Path(tempfile.gettempdir()) / "adapter-unused"
+    export_adapter(model, out)
+    if server is None:
+        if writes:
+            shutil.rmtree(out, ignore_errors=True)
+        return None
+    return server.update_adapter(out)
 
 
 def forward_backward(
     model: TrainingModel,
     input_ids: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, MicroBatch], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor | TokenScores, MicroBatch], torch.Tensor],
     *,
     position_ids: torch.Tensor | None = None,
     micro_batches: int = 1,
     forward_only: bool = False,
     keep_logits: bool = False,
+    loss_inputs: LossInputs = "logits",
+    normalize: Normalize = "micro_batch",
+    loss_mask: torch.Tensor | None = None,
 ) -> StepOutput:
     """One forward and backward of ``input_ids`` [B, S] in any layout, through megatron-core's schedule (1F1B,
-    interleaved over virtual stages); ``loss_fn(logits, micro_batch)`` turns a micro-batch's [b, S, V] fp32 logits
-    into its mean loss. Every rank calls it and gets the mean loss (and the logits with ``keep_logits``).
+    interleaved over virtual stages); ``loss_fn(inputs, micro_batch)`` turns a micro-batch's [b, S, V] fp32 logits
+    (``loss_inputs="logits"``) or its vocabulary-parallel :class:`~model_support.core.megatron.forward.TokenScores`
+    (``"logprobs"``: [b, S - 1] log-probs of the next token and entropies, no full-vocabulary logits) into its mean
+    loss, or with ``normalize="global_tokens"`` its per-token loss [b, S - 1], which is summed over ``loss_mask``
+    and divided by the loss tokens of every micro-batch and data-parallel replica. Every rank calls it and gets the
+    loss (and what ``loss_fn`` got, with ``keep_logits``).
     See :func:`model_support.core.megatron.forward.forward_backward`."""
     from model_support.core.megatron.forward import forward_backward as run
 
@@ -308,6 +374,9 @@ def forward_backward(
         micro_batches=micro_batches,
         forward_only=forward_only,
         keep_logits=keep_logits,
+        loss_inputs=loss_inputs,
+        normalize=normalize,
+        loss_mask=loss_mask,
     )
 
 

@@ -6,7 +6,7 @@ A plugin adds an engine (SGLang, Megatron Inference, ...) by returning objects w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -33,22 +33,64 @@ class Server(Protocol):
         """Wait for the server in the background (:meth:`wait_ready` then waits for that)."""
         ...
 
-    def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]: ...
+    def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]:
+        """The first choice of a ``/v1/completions`` request for a token-id prompt (``token_ids``, ``logprobs``,
+        ``prompt_logprobs``); ``model`` defaults to :attr:`served_name`, ``params`` are the request's fields."""
+        ...
 
-    def choices(self, prompt: list[int], *, model: str | None = None, **params: Any) -> list[dict[str, Any]]: ...
+    def choices(self, prompt: list[int], *, model: str | None = None, **params: Any) -> list[dict[str, Any]]:
+        """Every choice of one ``/v1/completions`` request (``n`` samples of one prompt), in index order."""
+        ...
 
-    def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]: ...
+    def choices_many(
+        self, prompts: list[list[int]], *, model: str | None = None, **params: Any
+    ) -> list[list[dict[str, Any]]]:
+        """:meth:`choices` of every prompt, the requests sent concurrently; the results in prompt order."""
+        ...
 
-    def models(self) -> list[str]: ...
+    def stream(self, prompt: list[int], *, model: str | None = None, **params: Any) -> Iterator[dict[str, Any]]:
+        """A streamed ``/v1/completions`` request: each chunk's choice (new ``token_ids``, ``text``, ``logprobs``)."""
+        ...
 
-    def load_lora(self, name: str, path: Path) -> None: ...
+    def chat(self, messages: list[dict[str, str]], *, model: str | None = None, **params: Any) -> dict[str, Any]:
+        """The whole answer of a ``/v1/chat/completions`` request (``choices``, the rendered ``prompt_token_ids``)."""
+        ...
 
-    def unload_lora(self, name: str) -> None: ...
+    def models(self) -> list[str]:
+        """The model names the server answers to (``/v1/models``): the served name, loaded LoRA adapters."""
+        ...
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Load the PEFT adapter in ``path``, served as model ``name`` from then on."""
+        ...
+
+    def unload_lora(self, name: str) -> None:
+        """Unload the adapter served as ``name``."""
+        ...
 
     def reload_weights(self, weights_dir: Path) -> None: ...
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
         """Apply one step of HF-named weight buckets in place once the last has arrived; returns the new name."""
+        ...
+
+    def update_adapter(self, adapter_dir: Path) -> str:
+        """Hot-swap the served LoRA adapter (``<model>-lora@N`` -> ``@N+1``); returns the new adapter's name."""
+        ...
+
+    def remove_adapter(self) -> None:
+        """Unload the adapter :meth:`update_adapter` serves, if any."""
+        ...
+
+    def pause(self) -> None:
+        """Stop scheduling; requests in flight wait where they are."""
+        ...
+
+    def resume(self) -> None: ...
+
+    def generate(self, prompt: list[int], *, model: str | None = None, **sampling: Any) -> list[dict[str, Any]]:
+        """Sample from token ids; each choice carries the policy version of every token (``policy_epochs``) and
+        ``policy_epoch``, ``kv_cache_epoch``, ``num_evictions``."""
         ...
 
     def rename(self, name: str) -> None: ...

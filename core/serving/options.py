@@ -20,7 +20,10 @@ class ServeOptions:
     ``max_loras``: adapters loaded at run time (``Server.load_lora``). ``moe``: the model has routed experts, so
     its LoRA adapters hold one LoRA per expert (vLLM's 2-D MoE LoRA format is forced); ``language_model_only``:
     serve only the text model of a multimodal checkpoint (no image processor is loaded). ``extra_args``: further
-    ``vllm serve`` arguments, passed on as they are, after the ones above.
+    ``vllm serve`` arguments, passed on as they are, after the ones above. ``weight_transfer``: how
+    ``Server.update_weights`` reaches the model: "stream" (vLLM's weight-transfer interface with the project's local
+    engine: buckets streamed through memory, applied after the last) or "files" (each step written as a checkpoint
+    and reloaded from disk).
     """
 
     dtype: str = "auto"
@@ -36,6 +39,7 @@ class ServeOptions:
     moe: bool | None = None
     language_model_only: bool | None = None
     extra_args: tuple[str, ...] = ()
+    weight_transfer: str = "stream"
     startup_timeout_s: float = 900.0
 
     def for_checkpoint(self, model_dir: Path) -> ServeOptions:
@@ -71,4 +75,10 @@ class ServeOptions:
                 args.append("--enable-mixed-moe-lora-format")
         if self.language_model_only:
             args.append("--language-model-only")
+        if self.weight_transfer == "stream":
+            # The engine is registered by the worker extension's module, imported in the worker before it is built.
+            args += ["--weight-transfer-config", json.dumps({"backend": "model_support_local"})]
+            args += ["--worker-extension-cls", "ms_weights.WorkerExtension"]
+        elif self.weight_transfer != "files":
+            raise ValueError(f"weight_transfer must be 'stream' or 'files', not {self.weight_transfer!r}")
         return [*args, *self.extra_args]

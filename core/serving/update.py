@@ -1,21 +1,33 @@
 """In-place weight updates of a live server, one step at a time: ``model@0`` -> ``model@1`` -> ...
 
 A step's weights arrive as buckets (dicts of HF-named tensors, e.g. from
-:func:`model_support.core.api.merged_weights` or :func:`export.buckets`). Each bucket is written to the step's
-staging checkpoint as it arrives; nothing reaches the server until the last bucket: then the checkpoint is
-published atomically, the server loads it in place (vLLM: worker ``reload_weights`` through ``/collective_rpc``,
-same process) and the served model name advances. The previous step's checkpoint is removed once the new one
-is loaded, so the disk holds one step at a time.
+:func:`model_support.core.api.merged_weights` or :func:`export.buckets`) and must carry exactly the served
+checkpoint's tensors, in its dtypes and shapes. Nothing reaches the model before the last bucket; then
+generation is paused, the step is applied, the requests in flight are moved back to the waiting queue (their KV
+cache is recomputed with the new weights when they resume: vLLM's ``reset_prefix_cache`` with running requests),
+the weight version and the served name advance, and generation resumes. Requests in flight keep going; every
+token they sample carries the version of the weights that sampled it (:meth:`VllmServer.generate`).
 
-Transport: the local file system (the server reads the published checkpoint). It is what runs on CPU and what
-the tests exercise; vLLM's NCCL weight-transfer engine (``/init_weight_transfer_engine``, ``/update_weights``)
-is the GPU path and is not driven here.
+Two transports, chosen by ``ServeOptions.weight_transfer``:
+
+- ``"stream"``: vLLM's weight-transfer routes (``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``) with the project's local engine (``vllm_ext/ms_weights.py``): every tensor's name,
+  dtype and shape is announced first, then each bucket is written to a file in memory (``/dev/shm`` where there is
+  one) and handed over as soon as it is produced, at most two buckets in flight; the worker applies the step after
+  the last (``is_last``), all or nothing. No checkpoint is written.
+- ``"files"``: each bucket is written to the step's staging checkpoint, published atomically and loaded by the
+  worker's ``reload_weights`` (``/collective_rpc``); the previous step's checkpoint is removed once the new one is
+  loaded, so the disk holds one step at a time.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import shutil
-from collections.abc import Iterable, Mapping
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +38,15 @@ from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import write_checkpoint
 
 if TYPE_CHECKING:
-    from model_support.core.serving.backend import Server
+    from model_support.core.serving.vllm_backend import VllmServer
+
+# safetensors' dtype names (a checkpoint header's) as torch names them.
+_TORCH_DTYPE = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
+IN_FLIGHT = 2  # buckets written and not yet taken by the server
 
 
 def served_name(model: str, step: int) -> str:
@@ -41,39 +61,179 @@ def parse_served_name(name: str) -> tuple[str, int]:
     return name, 0
 
 
-class WeightUpdater:
-    """Applies whole steps of weights to ``server``; ``staging_root`` holds the step being written."""
+def memory_dir() -> Path | None:
+    """A directory in memory (tmpfs) for streamed buckets, or ``None`` where there is none."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
-    def __init__(self, server: Server, staging_root: Path, support_from: Path) -> None:
-        self.server = server
-        self.model, self.step = parse_served_name(server.served_name)
+
+class WeightUpdater:
+    """Applies whole steps of weights to ``server``; ``staging_root`` holds what a step writes."""
+
+    def __init__(self, server: VllmServer, staging_root: Path, support_from: Path, *, stream: bool) -> None:
+        self.server, self.stream = server, stream
         self.staging_root, self.support_from = Path(staging_root), Path(support_from)
         self._loaded: Path | None = None
-        self._expected: set[str] | None = None
+        self._expected: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self.peak_buckets_in_flight = 0
 
     def update(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
-        """Stage every bucket, then load the step in place and advance the name; returns the new served name.
+        """Apply one step; returns the new served name. A failure before the last bucket is applied leaves the
+        server as it was (same weights, same name) and nothing on disk."""
+        self.model, self.step = parse_served_name(self.server.served_name)
+        if self.stream:
+            self._stream(buckets)
+        else:
+            self._files(buckets)
+        return self.server.served_name
 
-        A failure while staging leaves the server untouched (same weights, same name) and nothing on disk.
-        """
+    # ------------------------------------------------------------------ the swap
+    def _swap(self, apply: Callable[[], None], finish: Callable[[str], None]) -> None:
+        """Pause generation, apply the step, recompute the KV cache of the requests in flight, advance the weight
+        version and the served name, resume."""
+        version = self.step + 1
+        self.server.pause()
+        try:
+            apply()
+            finish(str(version))
+            self.server.request("/reset_prefix_cache?reset_running_requests=true", {})
+            self.step = version
+            self.server.rename(served_name(self.model, version))
+        finally:
+            self.server.resume()
+
+    # ------------------------------------------------------------------ files
+    def _files(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         step_dir = self.staging_root / f"step-{self.step + 1}"
         weights_dir = write_checkpoint(buckets, step_dir, support_from=self.support_from, check=self._check_complete)
-        self.server.reload_weights(weights_dir)
-        self.step += 1
-        self.server.rename(served_name(self.model, self.step))
+        try:
+            self._swap(
+                lambda: self.server.reload_weights(weights_dir),
+                lambda version: self.server.request("/update_weight_version", {"new_version": version}),
+            )
+        except BaseException:
+            shutil.rmtree(step_dir, ignore_errors=True)
+            raise
         if self._loaded is not None:
-            shutil.rmtree(self._loaded, ignore_errors=True)
+            shutil.rmtree(self._loaded.parent, ignore_errors=True)
         self._loaded = weights_dir
-        return self.server.served_name
+
+    def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name -> (torch dtype name, shape) of every tensor the served checkpoint stores."""
+        if self._expected is None:
+            stored = stored_tensors(self.support_from)
+            self._expected = {name: (_TORCH_DTYPE.get(dt, dt), shape) for name, (_, shape, dt) in stored.items()}
+        return self._expected
 
     def _check_complete(self, pushed: Mapping[str, str]) -> None:
         """A step must carry exactly the served checkpoint's tensors: vLLM would keep whatever a partial update
         leaves out in an undefined state (a tensor left out of a reload serves NaN on the CPU build)."""
-        if self._expected is None:
-            self._expected = set(stored_tensors(self.support_from))
-        missing, extra = sorted(self._expected - set(pushed)), sorted(set(pushed) - self._expected)
+        expected = self.expected()
+        missing, extra = sorted(set(expected) - set(pushed)), sorted(set(pushed) - set(expected))
         if missing or extra:
-            raise ServingError(
-                f"the update to {served_name(self.model, self.step + 1)} does not match the served checkpoint: "
-                f"{len(missing)} tensor(s) missing {missing[:3]}, {len(extra)} unknown {extra[:3]}; nothing was applied"
+            raise self._mismatch(f"{len(missing)} tensor(s) missing {missing[:3]}, {len(extra)} unknown {extra[:3]}")
+
+    def _mismatch(self, what: str) -> ServingError:
+        return ServingError(
+            f"the update to {served_name(self.model, self.step + 1)} does not match the served checkpoint: {what}; "
+            "nothing was applied"
+        )
+
+    # ------------------------------------------------------------------ stream
+    def _check_bucket(self, bucket: Mapping[str, torch.Tensor], sent: set[str]) -> None:
+        expected = self.expected()
+        for name, tensor in bucket.items():
+            if name not in expected:
+                raise self._mismatch(f"unknown tensor {name!r}")
+            if name in sent:
+                raise self._mismatch(f"tensor {name!r} sent twice")
+            dtype, shape = expected[name]
+            got = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+            if got != (dtype, shape):
+                raise self._mismatch(f"{name} is {got[0]} {list(got[1])}, the checkpoint's {dtype} {list(shape)}")
+
+    def _stream(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        expected = self.expected()
+        root = memory_dir() or self.staging_root
+        root.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix="push-", dir=root))
+        slots = threading.Semaphore(IN_FLIGHT)
+        handoff: queue.Queue[tuple[Path, bool] | None] = queue.Queue()
+        failures: list[BaseException] = []
+        applied = threading.Event()
+        in_flight = [0]
+        lock = threading.Lock()
+
+        def post(path: Path, last: bool) -> None:
+            update = {"update_info": {"path": str(path), "is_last": last}}
+            if not last:
+                self.server.request("/update_weights", update)
+                return
+            self._swap(
+                lambda: self.server.request("/update_weights", update),
+                lambda version: self.server.request("/finish_weight_update", {"weight_version": version}),
             )
+            applied.set()
+
+        def sender() -> None:  # hands buckets to the server while the trainer produces the next ones
+            while (item := handoff.get()) is not None:
+                path, last = item
+                try:
+                    if not failures:
+                        post(path, last)
+                except BaseException as exc:  # reported in the trainer's thread
+                    failures.append(exc)
+                finally:
+                    path.unlink(missing_ok=True)
+                    with lock:
+                        in_flight[0] -= 1
+                    slots.release()
+
+        self.server.request("/start_weight_update", {})
+        params = [[name, dtype, list(shape)] for name, (dtype, shape) in expected.items()]
+        thread = threading.Thread(target=sender, daemon=True)
+        try:
+            self.server.request("/update_weights", {"update_info": {"params": params}})
+            thread.start()
+            sent: set[str] = set()
+            for index, bucket in enumerate(buckets):
+                if not bucket:
+                    continue
+                if len(sent) == len(expected):
+                    raise self._mismatch(f"{len(bucket)} tensor(s) after every tensor of the step was sent")
+                self._check_bucket(bucket, sent)
+                sent |= set(bucket)
+                slots.acquire()
+                if failures:
+                    slots.release()
+                    break
+                path = workdir / f"bucket-{index}.safetensors"
+                save_file({name: tensor.detach().cpu().contiguous() for name, tensor in bucket.items()}, str(path))
+                with lock:
+                    in_flight[0] += 1
+                    self.peak_buckets_in_flight = max(self.peak_buckets_in_flight, in_flight[0])
+                handoff.put((path, len(sent) == len(expected)))
+            else:
+                if len(sent) != len(expected):
+                    missing = sorted(set(expected) - sent)
+                    raise self._mismatch(f"{len(missing)} tensor(s) missing {missing[:3]}")
+        finally:
+            handoff.put(None)
+            if thread.is_alive():
+                thread.join()
+            shutil.rmtree(workdir, ignore_errors=True)
+            if not applied.is_set():
+                self._abort()
+        if failures:
+            raise failures[0]
+
+    def _abort(self) -> None:
+        """End a step that will not be applied (the worker drops what it received); a worker that already failed the
+        step has ended it itself, so errors here are not reported."""
+        for path, body in (("/update_weights", {"update_info": {"abort": True}}), ("/finish_weight_update", {})):
+            try:
+                self.server.request(path, body)
+            except ServingError:
+                return

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +26,12 @@ from model_support.core.serving.errors import RuntimeMissingError, ServerError
 from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.process import ManagedProcess
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
-from model_support.core.serving.update import WeightUpdater, parse_served_name
+from model_support.core.serving.update import WeightUpdater, parse_served_name, served_name
 
 if TYPE_CHECKING:
     import torch
+
+    from model_support.core.serving.client import ServerClient
 
 EXT_DIR = Path(__file__).with_name("vllm_ext")
 _ROOT_CAUSE = re.compile(r"\b((?:[A-Za-z_.]+Error|AssertionError|NotImplementedError)(?::\s.*)?)$")
@@ -49,6 +52,8 @@ class VllmServer:
         self.model_dir, self.options = model_dir, options
         self.base_url = f"http://127.0.0.1:{port}"
         self._updater: WeightUpdater | None = None
+        self._adapter: tuple[str, Path] | None = None
+        self._client: ServerClient | None = None  # the /v1 client, made on first use (see `client`)
         self._ready = False
         self._background: threading.Thread | None = None
         self._background_error: Exception | None = None
@@ -107,6 +112,8 @@ class VllmServer:
         # The CPU build's first request that asks for prompt log-probabilities waits about 7 s (idle, once per
         # server): a request of two tokens takes that wait here, where a start in the background hides it.
         self.completion([1, 2], max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        # Tokens carry the weight version that sampled them (generate): the step of the name served first.
+        self.request("/update_weight_version", {"new_version": str(parse_served_name(self.served_name)[1])})
 
     def stop(self) -> None:
         self.process.stop()
@@ -143,21 +150,42 @@ class VllmServer:
         except json.JSONDecodeError:  # some endpoints (LoRA loading) answer in plain text
             return raw.decode(errors="replace")
 
+    @property
+    def client(self) -> ServerClient:
+        """The ``openai``-based client of the ``/v1`` endpoints (its ``achoices_many`` serves async trainers)."""
+        if self._client is None:
+            # Imported here: the ``openai`` package loads in half a second, which the CLI's other commands never need.
+            from model_support.core.serving.client import ServerClient
+
+            self._client = ServerClient(
+                self.base_url, label="vLLM", root_cause=self.root_cause, log_path=self.process.log_path
+            )
+        return self._client
+
     def completion(self, prompt: list[int], *, model: str | None = None, **params: Any) -> dict[str, Any]:
         """``/v1/completions`` for one token-id prompt; returns the first choice (``prompt_logprobs`` included)."""
-        return self.choices(prompt, model=model, **params)[0]
+        return self.client.completion(prompt, model=model or self.served_name, **params)
 
     def choices(self, prompt: list[int], *, model: str | None = None, **params: Any) -> list[dict[str, Any]]:
         """Every choice of one ``/v1/completions`` request (``n`` samples of one prompt), in index order."""
-        body = {"model": model or self.served_name, "prompt": prompt, "return_token_ids": True, **params}
-        return sorted(self.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        return self.client.choices(prompt, model=model or self.served_name, **params)
 
-    def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
-        body = {"model": self.served_name, "messages": messages, "return_token_ids": True, **params}
-        return self.request("/v1/chat/completions", body)
+    def choices_many(
+        self, prompts: list[list[int]], *, model: str | None = None, **params: Any
+    ) -> list[list[dict[str, Any]]]:
+        """:meth:`choices` of every prompt, sent concurrently; the results in prompt order."""
+        return self.client.choices_many(prompts, model=model or self.served_name, **params)
+
+    def stream(self, prompt: list[int], *, model: str | None = None, **params: Any) -> Iterator[dict[str, Any]]:
+        """A streamed ``/v1/completions`` request: each chunk's choice (new ``token_ids``, ``text``, ``logprobs``)."""
+        return self.client.stream(prompt, model=model or self.served_name, **params)
+
+    def chat(self, messages: list[dict[str, str]], *, model: str | None = None, **params: Any) -> dict[str, Any]:
+        """``/v1/chat/completions``: the whole answer (``choices``, ``prompt_token_ids``)."""
+        return self.client.chat(messages, model=model or self.served_name, **params)
 
     def models(self) -> list[str]:
-        return [m["id"] for m in self.request("/v1/models")["data"]]
+        return self.client.models()
 
     def load_lora(self, name: str, path: Path) -> None:
         body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
@@ -177,17 +205,86 @@ class VllmServer:
         self.request("/reset_prefix_cache", {})
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
-        """Load one step of HF-named weights in place, after the last bucket; returns the new served name."""
+        """Apply one step of HF-named weights in place after the last bucket, pausing generation only for the swap;
+        returns the new served name (see :mod:`model_support.core.serving.update`)."""
         if self._updater is None:
             model, _ = parse_served_name(self.served_name)
             staging = self.process.log_path.parent / f"{model}-weights"
-            self._updater = WeightUpdater(self, staging, support_from=self.model_dir)
+            stream = self.options.weight_transfer == "stream"
+            self._updater = WeightUpdater(self, staging, support_from=self.model_dir, stream=stream)
         return self._updater.update(buckets)
+
+    def update_adapter(self, adapter_dir: Path) -> str:
+        """Hot-swap the served LoRA adapter: load the PEFT adapter at ``adapter_dir`` as ``<model>-lora@N+1`` (the
+        base keeps its name and weights), then unload ``@N`` and remove its directory; returns the new name.
+        The server owns ``adapter_dir`` from now on (vLLM may read it again while the adapter is loaded)."""
+        model, _ = parse_served_name(self.served_name)
+        previous = self._adapter
+        step = 0 if previous is None else parse_served_name(previous[0])[1]
+        name = served_name(f"{model}-lora", step + 1)
+        self.load_lora(name, Path(adapter_dir))
+        self._adapter = (name, Path(adapter_dir))
+        if previous is not None:
+            self.unload_lora(previous[0])
+            shutil.rmtree(previous[1], ignore_errors=True)
+        return name
+
+    def remove_adapter(self) -> None:
+        """Unload the adapter :meth:`update_adapter` serves (and remove its directory); nothing if there is none."""
+        if self._adapter is not None:
+            name, path = self._adapter
+            self.unload_lora(name)
+            shutil.rmtree(path, ignore_errors=True)
+            self._adapter = None
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The LoRA adapter :meth:`update_adapter` serves now (``None``: none yet)."""
+        return None if self._adapter is None else self._adapter[0]
 
     def rename(self, name: str) -> None:
         """Serve the base model under ``name`` from now on (see ``vllm_ext/ms_vllm_ext.py``)."""
         self.request("/model_support/served_model_name", {"name": name})
         self.served_name = name
+
+    def pause(self) -> None:
+        """Stop scheduling: requests in flight stay where they are, their KV cache kept (vLLM's ``/pause`` with
+        ``mode=keep``; ``clear_cache=false``, else it also drops the cache of the requests in flight)."""
+        self.request("/pause?mode=keep&clear_cache=false", {})
+
+    def resume(self) -> None:
+        self.request("/resume", {})
+
+    def generate(self, prompt: list[int], *, model: str | None = None, **sampling: Any) -> list[dict[str, Any]]:
+        """Sample from token ids through vLLM's token-in-token-out route (``/inference/v1/generate``, vLLM's
+        ``SamplingParams`` as keyword arguments); every choice, in index order, with the staleness of each token.
+
+        Each choice holds vLLM's fields (``token_ids``, ``logprobs`` ...) and, as NeMo Gym's Megatron Inference
+        backend reports them: ``policy_epochs`` (per sampled token, the step of the weights that sampled it),
+        ``policy_epoch`` (``[start, step]`` pairs: from token ``start`` on, that step's weights sampled),
+        ``kv_cache_epoch`` (``[start, step]`` pairs over the prompt and the tokens: which step's weights computed
+        the KV cache the last token was sampled from; an update recomputes the cache of every request in flight,
+        so one pair) and ``num_evictions`` (how often the request's KV cache was dropped and recomputed: once per
+        update during its generation; vLLM's own preemptions under memory pressure are not counted).
+        """
+        body = {"token_ids": prompt, "sampling_params": sampling, "model": model or self.served_name}
+        out = self.request("/inference/v1/generate", body)
+        return [staleness(choice) for choice in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+def staleness(choice: dict[str, Any]) -> dict[str, Any]:
+    """``choice`` with per-token policy steps, ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` derived
+    from vLLM's weight-version spans (``[{"version", "start", "end"}]`` over the sampled tokens)."""
+    spans = choice.get("weight_versions") or []
+    per_token = [int(span["version"]) for span in spans for _ in range(span["start"], span["end"])]
+    pairs = [[span["start"], int(span["version"])] for span in spans]
+    return {
+        **choice,
+        "policy_epochs": per_token,
+        "policy_epoch": pairs,
+        "kv_cache_epoch": [[0, pairs[-1][1]]] if pairs else [],
+        "num_evictions": max(len(pairs) - 1, 0),
+    }
 
 
 class VllmBackend:
@@ -233,6 +330,7 @@ class VllmBackend:
             "ms_vllm_ext.served_name",
             "--max-logprobs",
             "20",
+            "--enable-scale-out",  # vLLM's token-in-token-out route (generate: per-token weight versions)
         ]
         if options.tensor_parallel_size == 1:  # one process fewer to start (see VLLM_ENABLE_V1_MULTIPROCESSING)
             args += ["--distributed-executor-backend", "uni"]

@@ -7,9 +7,13 @@ kernel (``chunk_gated_delta_rule_cpu``) rejects 16 ("expect head_dim to be multi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
+from model_support.core.serving.backend import Server, get_backend
 from model_support.core.serving.errors import RuntimeMissingError
+from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
 
 
@@ -19,3 +23,14 @@ def runtime() -> RuntimeInfo:
         return load_runtime()
     except RuntimeMissingError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(runtime, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
+    """One fp32 server on the tiny Qwen3 replica with LoRA on, shared by the serving tests (a start costs ~35 s).
+    Tests that change what it serves leave it serving one name and no adapter; read ``served_name``, not ``@0``."""
+    log = tmp_path_factory.mktemp("vllm-qwen3") / "vllm.log"
+    options = ServeOptions(dtype="float32", enable_lora=True, max_model_len=1024)
+    server = get_backend("vllm").serve(tiny_model_dir("qwen3"), "qwen3@0", options, log)
+    yield server
+    server.stop()

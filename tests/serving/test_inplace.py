@@ -1,4 +1,5 @@
-"""In-place update of a live vLLM server: buckets applied once after the last, same PID, served name advances."""
+"""In-place update of a live vLLM server: buckets applied once after the last (streamed through vLLM's weight-transfer
+routes, or staged as a checkpoint), same PID, served name advances; a push during a long generation; LoRA hot-swap."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from model_support.core.serving.backend import Server, get_backend
 from model_support.core.serving.errors import ServerError, ServingError
 from model_support.core.serving.export import base_tensors, buckets, export_merged, merged_tensors
+from model_support.core.serving.update import WeightUpdater, memory_dir
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.handlers import BUILTIN_HANDLERS
 from tests.serving.adapters import random_adapter
@@ -18,14 +20,6 @@ from tests.serving.adapters import random_adapter
 PROMPT = [17, 101, 44, 250, 9, 311, 66, 140, 23, 77]
 TARGETS = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modules
 FP32_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(runtime, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("vllm-inplace") / "vllm.log"
-    server = get_backend("vllm").serve(tiny_model_dir("qwen3"), "qwen3@0", ServeOptions(dtype="float32"), log)
-    yield server
-    server.stop()
 
 
 def _served(server: Server, model: str | None = None) -> torch.Tensor:
@@ -44,14 +38,19 @@ def _reference(model_dir: Path) -> torch.Tensor:
     return logprobs[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])].float()
 
 
+def _pushes_left() -> list[Path]:
+    return list(memory_dir().glob("push-*")) if memory_dir() else []
+
+
 @pytest.mark.slow
 def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, tmp_path):
+    """Step 1 streams (the server's default transport), step 2 goes through a staged checkpoint."""
     server, base = qwen3_server, tiny_model_dir("qwen3")
-    pid = server.pid
+    pid, start = server.pid, int(server.served_name.rpartition("@")[2])
     previous = _served(server)
     assert (previous - _reference(base)).abs().max().item() < FP32_TOL
-    staged: list[Path] = []
-    for step in (1, 2):
+    files = WeightUpdater(server, server.process.log_path.parent / "qwen3-weights", base, stream=False)
+    for step, update in ((start + 1, server.update_weights), (start + 2, files.update)):
         adapter = random_adapter(base, TARGETS, tmp_path / f"adapter-{step}", seed=20 + step)
         expected = _reference(export_merged(base, adapter, tmp_path / f"reference-{step}"))
         parts = list(buckets(merged_tensors(base, adapter), max_bytes=150_000))
@@ -64,7 +63,7 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
                     assert (_served(server) - previous).abs().max().item() < 1e-6
                 yield part
 
-        assert server.update_weights(stream()) == f"qwen3@{step}"
+        assert update(stream()) == f"qwen3@{step}"
         assert server.models() == [f"qwen3@{step}"]
         assert server.pid == pid and server.process.alive()
         with pytest.raises(ServerError, match=rf"404.*qwen3@{step - 1}.*does not exist"):
@@ -73,23 +72,41 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
         assert (now - expected).abs().max().item() < FP32_TOL
         assert (now - previous).abs().max().item() > 1e-2
         previous = now
-        staged = sorted(server.process.log_path.parent.glob("qwen3-weights/step-*"))
-        assert [p.name for p in staged] == [f"step-{step}"]  # the previous step's checkpoint is removed
+    assert 1 <= server._updater.peak_buckets_in_flight <= 2  # the stream: bounded, nothing left in memory or on disk
+    assert not _pushes_left() and not list((server.process.log_path.parent / "qwen3-weights").glob("push-*"))
+    staged = sorted(server.process.log_path.parent.glob("qwen3-weights/step-*"))
+    assert [p.name for p in staged] == [f"step-{start + 2}"]  # the files transport keeps the loaded step only
 
 
 def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path):
     server = qwen3_server
     name, before = server.served_name, _served(server)
+    embed = dict(base_tensors(tiny_model_dir("qwen3")))["model.embed_tokens.weight"]
 
     def broken() -> Iterator[dict[str, torch.Tensor]]:
-        yield {"model.embed_tokens.weight": torch.zeros(4, 4)}
+        yield {"model.embed_tokens.weight": torch.zeros_like(embed)}
         raise RuntimeError("trainer died mid-push")
 
     with pytest.raises(RuntimeError, match="trainer died mid-push"):
         server.update_weights(broken())
     assert server.models() == [name]
     assert (_served(server) - before).abs().max().item() < 1e-6
-    assert not list(server.process.log_path.parent.glob("qwen3-weights/.step-*.partial"))
+    assert not _pushes_left()
+
+    wrong = {"model.embed_tokens.weight": torch.zeros_like(embed, dtype=torch.bfloat16)}
+    with pytest.raises(ServingError, match=r"model.embed_tokens.weight is bfloat16 \[.*\], the checkpoint's float32"):
+        server.update_weights([wrong])
+    # The worker checks what it receives too: a tensor it was not told of fails the step there, nothing applied.
+    server.request("/start_weight_update", {})
+    server.request("/update_weights", {"update_info": {"params": [["model.norm.weight", "float32", [64]]]}})
+    from safetensors.torch import save_file
+
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(tmp_path / "stray.safetensors"))
+    with pytest.raises(ServerError, match=r"'lm_head\.weight' was not announced"):
+        server.request("/update_weights", {"update_info": {"path": str(tmp_path / "stray.safetensors")}})
+    assert not (tmp_path / "stray.safetensors").exists()
+    assert server.models() == [name]
+    assert (_served(server) - before).abs().max().item() < 1e-6
 
 
 def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir):
@@ -101,6 +118,73 @@ def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir)
         server.update_weights(partial)
     assert server.models() == [name]
     assert (_served(server) - before).abs().max().item() < 1e-6
+
+
+def _running(server: Server) -> float:
+    """vLLM's gauge of the requests being generated now (its Prometheus /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
+
+
+@pytest.mark.slow
+def test_a_push_during_a_long_generation_keeps_it_going_with_per_token_epochs(qwen3_server, tiny_model_dir, tmp_path):
+    import threading
+
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    _, step = server.served_name.rsplit("@", 1)
+    old, new = int(step), int(step) + 1
+    adapter = random_adapter(base, TARGETS, tmp_path / "adapter", seed=41)
+    merged = list(buckets(merged_tensors(base, adapter), max_bytes=1 << 30))
+    sampling = {"max_tokens": 300, "min_tokens": 300, "temperature": 0.0, "logprobs": 0}
+    out: list[list[dict]] = []
+    generation = threading.Thread(target=lambda: out.append(server.generate(PROMPT, **sampling)))
+    generation.start()
+    for _ in range(2000):  # until the engine runs it (bounded by count)
+        if _running(server) >= 1:
+            break
+        generation.join(0.01)
+    assert server.update_weights(merged) == f"qwen3@{new}"
+    generation.join()
+    choice = out[0][0]
+    epochs = choice["policy_epochs"]
+    boundary = epochs.index(new)
+    assert len(epochs) == 300 and 0 < boundary < 300, "the push did not land inside the generation"
+    assert epochs == [old] * boundary + [new] * (300 - boundary)
+    assert choice["policy_epoch"] == [[0, old], [boundary, new]]
+    assert choice["kv_cache_epoch"] == [[0, new]] and choice["num_evictions"] == 1
+    # After the boundary the tokens are the new weights' own: the same prefix scored afresh on them agrees (the KV
+    # cache of the tokens before it was recomputed, not kept from the old weights).
+    prefix = [*PROMPT, *choice["token_ids"][:boundary]]
+    fresh = server.generate(prefix, max_tokens=8, min_tokens=8, temperature=0.0, logprobs=0)[0]
+    assert fresh["policy_epoch"] == [[0, new]] and fresh["num_evictions"] == 0
+    got = [c["logprob"] for c in choice["logprobs"]["content"][boundary : boundary + 8]]
+    want = [c["logprob"] for c in fresh["logprobs"]["content"]]
+    assert fresh["token_ids"] == choice["token_ids"][boundary : boundary + 8]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
+@pytest.mark.slow
+def test_lora_hot_swap_advances_the_adapter_and_keeps_the_base(qwen3_server, tiny_model_dir, tmp_path):
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    name = server.update_weights(buckets(base_tensors(base), max_bytes=1 << 30))  # the checkpoint's own weights again
+    base_out = _served(server)
+    names = []
+    for step in (1, 2):
+        adapter = random_adapter(base, TARGETS, tmp_path / f"hot-{step}", seed=60 + step)
+        expected = _reference(export_merged(base, adapter, tmp_path / f"merged-{step}"))
+        names.append(server.update_adapter(adapter))
+        assert names[-1] == f"qwen3-lora@{step}"
+        assert (_served(server, names[-1]) - expected).abs().max().item() < FP32_TOL
+    assert sorted(server.models()) == sorted([name, "qwen3-lora@2"])
+    assert not (tmp_path / "hot-1").exists()  # the unloaded adapter's files are removed
+    with pytest.raises(ServerError, match=r"404.*qwen3-lora@1"):
+        server.completion(PROMPT, model="qwen3-lora@1", max_tokens=1)
+    assert (_served(server) - base_out).abs().max().item() < 1e-6  # the base is untouched
+    server.remove_adapter()
+    assert server.models() == [name] and not (tmp_path / "hot-2").exists()
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ def test_options_become_vllm_arguments() -> None:
         moe=True,
         language_model_only=True,
         extra_args=("--max-num-batched-tokens", "8192"),
+        weight_transfer="files",
     )
     assert options.vllm_args() == [
         "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64", "--tensor-parallel-size", "2",
@@ -36,6 +37,9 @@ def test_options_become_vllm_arguments() -> None:
     defaults = ServeOptions().vllm_args()
     assert "--enforce-eager" in defaults
     assert "--enable-lora" not in defaults and "--gpu-memory-utilization" not in defaults
+    assert defaults[defaults.index("--weight-transfer-config") + 1] == '{"backend": "model_support_local"}'
+    with pytest.raises(ValueError, match="weight_transfer must be 'stream' or 'files', not 'nccl'"):
+        ServeOptions(weight_transfer="nccl").vllm_args()
 
 
 @pytest.mark.parametrize(

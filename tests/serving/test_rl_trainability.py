@@ -1,4 +1,5 @@
-"""rl_trainability fails a push that slices weights into the wrong place, though training itself works."""
+"""rl_trainability fails a push that slices weights into the wrong place, though training itself works, and a push
+whose weights are applied without the server's weight version advancing (sampled tokens then claim stale weights)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from model_support.core import api
+from model_support.core.serving.vllm_backend import VllmServer
 from model_support.plugins.pytest_plugin import CheckRequest, run_check
 from tests.megatron.conftest import require_megatron
 
@@ -30,13 +32,28 @@ def test_q_halves_swapped_in_the_pushed_weights_fail_the_stage(runtime, tmp_path
             yield bucket
 
     monkeypatch.setattr(api, "merged_weights", sliced_wrong)
+    # Second planted bug, caught by its own metric: the step is applied but its weight version never set.
+    sent = VllmServer.request
+    unversioned: list[str] = []
+
+    def no_version(self: VllmServer, path: str, body: dict | None = None, timeout: float = 600):
+        if path == "/finish_weight_update" and body:
+            unversioned.append(body.pop("weight_version"))
+        return sent(self, path, body, timeout)
+
+    monkeypatch.setattr(VllmServer, "request", no_version)
     report = run_check(CheckRequest(target="qwen3", tiny=True, stages=("rl_trainability",)), tmp_path)
     (result,) = (r for r in report.results if r.stage == "rl_trainability")
-    assert swapped, "the planted bug never ran"
+    assert swapped and unversioned, "a planted bug never ran"
     assert result.status == "fail", result.summary
     metrics, limits = result.metrics, result.thresholds
     # The trainer and the server disagree on the sampled tokens' log-probabilities by far more than round-off.
     assert metrics["abs_delta_logprob_max"] > 100 * limits["abs_delta_logprob_max"], metrics
     assert "abs_delta_logprob_max=" in result.summary and "kl_mean=" in result.summary
-    # Everything else about the loop worked: pushes landed under the right names, the base stayed frozen.
+    # The merged loop's samples say they came from older weights than the last pushed, every one of them.
+    assert metrics["stale_tokens"] == metrics["samples_per_step"] * (metrics["merged_steps"] + 1), metrics
+    assert "stale_tokens=" in result.summary
+    # Everything else about the loop worked: pushes landed under the right names, the base stayed frozen; the LoRA
+    # loop (hot-swapped adapters: neither bug touches it) learned.
     assert metrics["stale_served_names"] == 0 and metrics["base_params_changed"] == 0
+    assert metrics["lora_final_reward"] >= 0.9

@@ -56,9 +56,13 @@ def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     else:
         assert rl["status"] == "pass", rl
         assert all(rl["metrics"][m] <= limit for m, limit in rl["thresholds"].items())
-        assert rl["metrics"]["final_reward"] >= 0.9 and rl["metrics"]["stale_served_names"] == 0
-        # @2 is the RL start (a fresh LoRA: the base weights), then one push per step.
-        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['steps'] + 2}"
+        # Both sync modes: the adapter hot-swapped onto the base, then merged weights pushed in place.
+        assert rl["metrics"]["modes"] == "lora, merged", rl
+        assert rl["metrics"]["lora_final_reward"] >= 0.9 and rl["metrics"]["merged_final_reward"] >= 0.9
+        assert rl["metrics"]["stale_served_names"] == 0 and rl["metrics"]["stale_tokens"] == 0
+        # @2: the base weights pushed back under the adapter (merged_serving left the policy in @1); @3 the merged
+        # loop's start (a fresh LoRA: the base weights again), then one push per step.
+        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['merged_steps'] + 3}"
 
     native = by_stage["native_vllm_lora"]
     if moe_on_cpu:

@@ -10,15 +10,21 @@ ART's: 0.5 for yes, 0.75 for no, 1.0 for maybe. Each step:
    and the KL over the server's top-k tokens. A push that put weights in the wrong place shows here;
 3. a policy-gradient LoRA step with group-relative advantages (reward minus its group's mean, over the
    group's standard deviation) on the log-probability of the answer among the allowed tokens;
-4. the merged weights are pushed in place (``api.push_weights``): the served name advances to ``@N+1``.
+4. the policy is pushed: in "lora" mode the adapter is hot-swapped (``api.push_adapter``: ``<handler>-lora@N+1``
+   beside the untouched base), in "merged" mode the merged weights go in place (``api.push_weights``: the served
+   name advances to ``@N+1``).
 
-It starts from a fresh LoRA (B = 0, so the first push serves the base weights). Pass: the mean reward of a step
-reaches ``1 - reward_gap`` within ``max_steps``; the trainer and the server agree on every step within the
-serving dtype's limits; the server lists the last pushed name and only it; no base weight changed.
+The loop runs in both modes where the handler's vLLM LoRA is native and the build serves it (merged only
+otherwise), each from a fresh LoRA (B = 0: the first merged push serves the base weights). Samples come from
+vLLM's token-in-token-out route, so each carries the version of the weights that sampled it. Pass, in every mode:
+the mean reward of a step reaches ``1 - reward_gap`` within ``max_steps``; the trainer and the server agree on
+every step within the serving dtype's limits; the server lists the last pushed name and no earlier one; every
+token was sampled by the weights last pushed (``stale_tokens``); no base weight changed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -51,24 +57,48 @@ def answer_tokens(tokenizer: Any) -> dict[int, str]:
     return ids
 
 
-def topk_kl(top: dict[str, float], trainer: torch.Tensor) -> float:
-    """KL(server || trainer) over the server's top-k tokens, both renormalised on that set.
-
-    ``top`` is vLLM's ``top_logprobs`` entry with ``return_tokens_as_token_ids`` (keys ``"token_id:<id>"``).
-    """
-    ids = torch.tensor([int(key.rpartition(":")[2]) for key in top])
+def topk_kl(top: dict[int, float], trainer: torch.Tensor) -> float:
+    """KL(server || trainer) over the server's top-k tokens (token id -> log-probability), both renormalised on
+    that set."""
+    ids = torch.tensor(list(top))
     served = torch.log_softmax(torch.tensor(list(top.values()), dtype=torch.float64), dim=0)
     ours = torch.log_softmax(trainer[ids].double(), dim=0)
     return float((served.exp() * (served - ours)).sum())
 
 
+@dataclass
+class _Run:
+    """One mode's loop: per step the server-vs-trainer record, the rewards, the served names."""
+
+    mode: str
+    steps: list[dict[str, float]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    stale_tokens: int = 0
+    listed: list[str] = field(default_factory=list)
+
+
 class RlTrainabilityStage(Stage):
     name = "rl_trainability"
-    title = "An RL loop on the API (sample from vLLM, score in Megatron, LoRA step, push in place) reaches reward 0.9."
+    title = "An RL loop on the API (sample from vLLM, score in Megatron, LoRA step, push) reaches reward 0.9."
     order = 110
     packages = MEGATRON_PACKAGES
-    thresholds: ClassVar[dict[str, float]] = {"reward_gap": 0.1, "stale_served_names": 0, "base_params_changed": 0}
+    thresholds: ClassVar[dict[str, float]] = {
+        "reward_gap": 0.1,
+        "stale_served_names": 0,
+        "stale_tokens": 0,
+        "base_params_changed": 0,
+    }
     group, max_steps, clip_norm = 8, 30, 1.0
+
+    @staticmethod
+    def modes(ctx: CheckContext) -> list[str]:
+        """ "lora" (the adapter hot-swapped) where the run's server serves the handler's LoRA natively, "merged"
+        (weights pushed in place) where the build takes them in place."""
+        from model_support.core.serving.session import inplace_gap, lora_gap
+
+        lora = ["lora"] if ctx.spec.vllm_lora.native and lora_gap(ctx) is None else []
+        return lora + (["merged"] if inplace_gap(ctx) is None else [])
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         from model_support.core.serving.session import backend, inplace_gap
@@ -76,10 +106,9 @@ class RlTrainabilityStage(Stage):
         unavailable = backend().unavailable_reason()
         if unavailable is not None:
             return unavailable
-        gap = inplace_gap(ctx)
-        if gap is not None:
+        if not self.modes(ctx):
             runtime = backend().version()
-            return f"the CPU vLLM build ({runtime}) cannot take {ctx.spec.name}'s weights in place: {gap}"
+            return f"the CPU vLLM build ({runtime}) cannot take {ctx.spec.name}'s weights in place: {inplace_gap(ctx)}"
         return None
 
     def prepare(self, ctx: CheckContext) -> None:
@@ -89,9 +118,7 @@ class RlTrainabilityStage(Stage):
         start_server(ctx)
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core import api
         from model_support.core.layout import text_config
-        from model_support.core.megatron.lora import lora_modules
         from model_support.core.megatron.session import megatron_lora, training_model
         from model_support.core.serving import session
 
@@ -100,66 +127,133 @@ class RlTrainabilityStage(Stage):
             answers = answer_tokens(tokenizer)
         except ValueError as exc:
             return self.failed(str(exc))
-        allowed = sorted(answers)
-        reward_of = torch.tensor([REWARDS[answers[t]] for t in allowed], dtype=torch.float64)
         chats = [[{"role": "user", "content": f"{q} Answer yes, no or maybe."}] for q in QUESTIONS]
         prompts = ctx.chat_prompts(chats)
         prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
 
         model = training_model(ctx)
         megatron_lora(ctx)
+        base = base_fingerprints(model.module)
+        tcfg = text_config(ctx.config)
+        lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))
+        runs: list[_Run] = []
+        try:
+            for mode in self.modes(ctx):
+                if mode == "lora":
+                    server = session.serve_base(ctx)  # the adapter goes onto the checkpoint's own weights
+                else:
+                    server = session.server(ctx)
+                    ctx.artifacts[session.SERVED_KEY] = "rl"
+                runs.append(self._loop(ctx, mode, server, model, prompt_ids, answers, lr))
+        except ServingError as exc:
+            return cannot_serve(self, ctx, exc)
+        changed = changed_base(model.module, base)
+        every = [s for run in runs for s in run.steps]
+        worst = {key: max(s[key] for s in every) for key in ("kl_mean", "abs_delta_logprob_max", "topk_kl_mean")}
+        worst["abs_delta_logprob_mean"] = max(s["abs_delta_logprob_mean"] for s in every)
+        metrics: dict[str, Any] = {
+            "modes": ", ".join(run.mode for run in runs),
+            **{f"{run.mode}_steps": len(run.steps) - 1 for run in runs},
+            **{f"{run.mode}_final_reward": run.rewards[-1] for run in runs},
+            "initial_reward": min(run.rewards[0] for run in runs),
+            "reward_gap": max(1 - run.rewards[-1] for run in runs),
+            **worst,
+            "samples_per_step": self.group * len(prompt_ids),
+            "stale_served_names": sum(len(set(r.listed) - {r.names[-1]}) + (r.names[-1] not in r.listed) for r in runs),
+            "stale_tokens": sum(run.stale_tokens for run in runs),
+            "served_model": runs[-1].names[-1],
+            "base_params_changed": len(changed),
+            "serving_dtype": server.options.dtype,
+            "peak_lr": lr,
+        }
+        limits = mismatch_tolerance(server.options.dtype)
+        thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
+        details = ["serving dtype {}: {}".format(*session.serving_dtype(ctx))]
+        for run in runs:
+            push = "adapter hot-swapped (api.push_adapter)" if run.mode == "lora" else "merged weights pushed in place"
+            details += [
+                f"{run.mode} ({push}): reward per step " + ", ".join(f"{r:.3f}" for r in run.rewards),
+                f"{run.mode}: server vs Megatron per step (mean KL / max |delta|): "
+                + ", ".join(f"{s['kl_mean']:.1e}/{s['abs_delta_logprob_max']:.1e}" for s in run.steps),
+                f"{run.mode}: served names {run.names[0]} -> {run.names[-1]}; the server lists {run.listed}; "
+                f"{run.stale_tokens} sampled token(s) from other weights than the last pushed",
+            ]
+        details.append(f"trainer: {model.describe()}; AdamW lr {lr:.3g}, gradient norm clipped to {self.clip_norm}")
+        if changed:
+            details.append(f"base weights changed: {', '.join(changed[:4])}")
+        summary = (
+            ", ".join(
+                f"{run.mode}: reward {run.rewards[0]:.2f} -> {run.rewards[-1]:.2f} in {len(run.steps) - 1} steps"
+                for run in runs
+            )
+            + f"; max |delta logprob| {worst['abs_delta_logprob_max']:.1e}"
+        )
+        return self.judge(metrics, thresholds, summary, details, ctx=ctx)
+
+    def _loop(
+        self, ctx: CheckContext, mode: str, server: Any, model: Any, prompt_ids: list[list[int]],
+        answers: dict[int, str], lr: float,
+    ) -> _Run:  # fmt: skip
+        """Train a fresh LoRA until the reward is reached, sampling from ``server`` after each push."""
+        from model_support.core import api
+        from model_support.core.megatron.lora import lora_modules
+
+        allowed = sorted(answers)
+        reward_of = torch.tensor([REWARDS[answers[t]] for t in allowed], dtype=torch.float64)
         torch.manual_seed(ctx.seed)
         for module in lora_modules(model.module).values():
             module.reset_parameters()
-        base = base_fingerprints(model.module)
         params = [p for p in model.module.parameters() if p.requires_grad]
-        tcfg = text_config(ctx.config)
-        lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        run = _Run(mode)
 
-        rewards: list[float] = []
-        steps: list[dict[str, float]] = []
+        def push() -> str:
+            return api.push_adapter(server, model) if mode == "lora" else api.push_weights(server, model)
+
         try:
-            server = session.server(ctx)
-            ctx.artifacts[session.SERVED_KEY] = "rl"
-            names = [api.push_weights(server, model)]
+            run.names.append(push())
             for step in range(self.max_steps + 1):
+                target = run.names[-1]
+                # vLLM's token-in-token-out route: each sampled token says which weights sampled it.
                 samples = [
-                    server.choices(
+                    server.generate(
                         ids,
+                        model=target,
                         n=self.group,
                         max_tokens=1,
                         temperature=1.0,
                         seed=ctx.seed * 1000 + step * len(prompt_ids) + i,
                         allowed_token_ids=allowed,
                         logprobs=TOP_K,
-                        return_tokens_as_token_ids=True,
                     )
                     for i, ids in enumerate(prompt_ids)
                 ]
+                if mode == "merged":
+                    version = int(target.rpartition("@")[2])
+                    run.stale_tokens += sum(
+                        e != version for group in samples for c in group for e in c["policy_epochs"]
+                    )
                 with torch.enable_grad():
                     last = torch.stack([rows[-1] for rows in api.token_logprobs(model, prompt_ids)])
                 tokens = torch.tensor([[c["token_ids"][0] for c in group] for group in samples])
-                served = torch.tensor(
-                    [[c["logprobs"]["token_logprobs"][0] for c in group] for group in samples], dtype=torch.float64
-                )
+                first = [[c["logprobs"]["content"][0] for c in group] for group in samples]
+                served = torch.tensor([[f["logprob"] for f in group] for group in first], dtype=torch.float64)
                 ours = last.detach().double().cpu()
-                delta = served - ours.gather(1, tokens)
-                record = mismatch(delta.flatten())
+                record = mismatch((served - ours.gather(1, tokens)).flatten())
                 record["topk_kl_mean"] = (
                     sum(
-                        topk_kl(c["logprobs"]["top_logprobs"][0], ours[i])
-                        for i, group in enumerate(samples)
-                        for c in group
+                        topk_kl({t["token_id"]: t["logprob"] for t in f["top_logprobs"]}, ours[i])
+                        for i, group in enumerate(first)
+                        for f in group
                     )
                     / tokens.numel()
                 )
                 index = torch.searchsorted(torch.tensor(allowed), tokens)
                 reward = reward_of[index]
                 record["reward_mean"] = reward.mean().item()
-                steps.append(record)
-                rewards.append(record["reward_mean"])
-                if rewards[-1] >= 1 - self.thresholds["reward_gap"] or step == self.max_steps:
+                run.steps.append(record)
+                run.rewards.append(record["reward_mean"])
+                if run.rewards[-1] >= 1 - self.thresholds["reward_gap"] or step == self.max_steps:
                     break
                 advantage = (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-4)
                 policy = torch.log_softmax(last[:, allowed], dim=-1)
@@ -169,42 +263,12 @@ class RlTrainabilityStage(Stage):
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, self.clip_norm)
                 optimizer.step()
-                names.append(api.push_weights(server, model))
-            listed = server.models()
-        except ServingError as exc:
-            return cannot_serve(self, ctx, exc)
+                run.names.append(push())
+            models = server.models()
+            # The base keeps its name in LoRA mode; what must be listed is the last adapter, and no earlier one.
+            run.listed = [m for m in models if "-lora@" in m] if mode == "lora" else models
+            if mode == "lora":
+                server.remove_adapter()  # it would serve on top of whatever the base holds next
         finally:
             optimizer.zero_grad(set_to_none=True)
-        changed = changed_base(model.module, base)
-        worst = {key: max(s[key] for s in steps) for key in ("kl_mean", "abs_delta_logprob_max", "topk_kl_mean")}
-        worst["abs_delta_logprob_mean"] = max(s["abs_delta_logprob_mean"] for s in steps)
-        metrics = {
-            "steps": len(steps) - 1,
-            "initial_reward": rewards[0],
-            "final_reward": rewards[-1],
-            "reward_gap": 1 - rewards[-1],
-            **worst,
-            "samples_per_step": self.group * len(prompt_ids),
-            "stale_served_names": len(set(listed) - {names[-1]}) + (names[-1] not in listed),
-            "served_model": names[-1],
-            "base_params_changed": len(changed),
-            "serving_dtype": server.options.dtype,
-            "peak_lr": lr,
-        }
-        limits = mismatch_tolerance(server.options.dtype)
-        thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
-        details = [
-            "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
-            "reward per step: " + ", ".join(f"{r:.3f}" for r in rewards),
-            "server vs Megatron per step (mean KL / max |delta|): "
-            + ", ".join(f"{s['kl_mean']:.1e}/{s['abs_delta_logprob_max']:.1e}" for s in steps),
-            f"served names: {names[0]} -> {names[-1]}; the server lists {listed}",
-            f"trainer: {model.describe()}; AdamW lr {lr:.3g}, gradient norm clipped to {self.clip_norm}",
-        ]
-        if changed:
-            details.append(f"base weights changed: {', '.join(changed[:4])}")
-        summary = (
-            f"reward {rewards[0]:.2f} -> {rewards[-1]:.2f} in {len(steps) - 1} steps, served {names[-1]}, "
-            f"max |delta logprob| {worst['abs_delta_logprob_max']:.1e}"
-        )
-        return self.judge(metrics, thresholds, summary, details, ctx=ctx)
+        return run

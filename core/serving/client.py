@@ -1,0 +1,187 @@
+"""A client for a served model's OpenAI-compatible ``/v1`` endpoints: the ``openai`` package underneath.
+
+The ``openai`` clients bring connection pooling, retries (connection errors, timeouts, 408/409/429 and 5xx
+answers, with backoff), timeouts, streaming and an asyncio client; this module adds what the engines' servers
+need on top of them:
+
+- token-id prompts, and the engine's own request fields (vLLM's ``return_token_ids``, ``prompt_logprobs``,
+  ``allowed_token_ids``, ``top_k``, ...), which the ``openai`` signatures do not name, sent through ``extra_body``;
+- answers as the plain dicts the server sent (the engine's extra fields, e.g. ``token_ids``, ``prompt_logprobs``,
+  ``prompt_token_ids``, included), which is what the stages and trainers read;
+- every failure as one :class:`ServerError` line: what answered what, the server's words and, where it has a log,
+  the log's last error line and path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+from openai.resources import Completions
+from openai.resources.chat import Completions as ChatCompletions
+
+from model_support.core.serving.errors import ServerError
+
+# The openai package's HTTP library logs every request at INFO: a root logger at INFO (megatron-bridge's imports
+# set one up) would print a line per request.
+for _logger in ("httpx", "httpx2"):
+    logging.getLogger(_logger).setLevel(logging.WARNING)
+
+# The request fields the ``openai`` package knows, taken from its own signatures (they grow with its versions);
+# the arguments each call sets itself are left out. Any other field goes to the server through ``extra_body``.
+_OWN = {"self", "model", "prompt", "messages", "stream", "extra_headers", "extra_query", "extra_body", "timeout"}
+_COMPLETION_FIELDS = frozenset(inspect.signature(Completions.create).parameters) - _OWN
+_CHAT_FIELDS = frozenset(inspect.signature(ChatCompletions.create).parameters) - _OWN
+_DETAIL_CHARS = 300
+
+
+def _arguments(params: dict[str, Any], known: frozenset[str]) -> dict[str, Any]:
+    """``openai`` keyword arguments for ``params``: fields it knows as arguments, the others in ``extra_body``
+    (merged with a caller's own ``extra_body``), ``return_token_ids`` on unless the caller says otherwise."""
+    arguments = {key: value for key, value in params.items() if key in known}
+    extra = {key: value for key, value in params.items() if key not in known and key != "extra_body"}
+    return {**arguments, "extra_body": {"return_token_ids": True, **extra, **(params.get("extra_body") or {})}}
+
+
+def _by_index(choices: list[Any]) -> list[dict[str, Any]]:
+    return sorted((c.to_dict() for c in choices), key=lambda c: c["index"])
+
+
+class ServerClient:
+    """Calls to one server's ``/v1`` endpoints, sync and async.
+
+    ``base_url`` is the server's root (``/v1`` is appended). ``label`` names the server in errors ("vLLM");
+    ``root_cause`` (the server log's last error line) and ``log_path`` go into the error of a 5xx answer or a
+    server that cannot be reached. ``max_retries`` and ``timeout`` (seconds per try) are the ``openai`` clients'.
+    ``concurrency`` bounds the requests that :meth:`choices_many` has in flight at once.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        label: str = "server",
+        root_cause: Callable[[], str] | None = None,
+        log_path: Path | None = None,
+        max_retries: int = 2,
+        timeout: float = 600.0,
+        concurrency: int = 32,
+    ):
+        self.base_url, self.label = base_url.rstrip("/"), label
+        self.root_cause, self.log_path = root_cause, log_path
+        self.max_retries, self.timeout, self.concurrency = max_retries, timeout, concurrency
+        self._sync = openai.OpenAI(**self._settings())
+
+    def _settings(self) -> dict[str, Any]:
+        # The servers check no key, but the ``openai`` clients need one.
+        return {
+            "base_url": f"{self.base_url}/v1",
+            "api_key": "EMPTY",
+            "max_retries": self.max_retries,
+            "timeout": self.timeout,
+        }
+
+    # ------------------------------------------------------------------ completions
+    def completion(self, prompt_ids: list[int], *, model: str, **params: Any) -> dict[str, Any]:
+        """``/v1/completions`` for one token-id prompt: the first choice (``token_ids``, ``logprobs``,
+        ``prompt_logprobs`` as the server sent them)."""
+        return self.choices(prompt_ids, model=model, **params)[0]
+
+    def choices(self, prompt_ids: list[int], *, model: str, **params: Any) -> list[dict[str, Any]]:
+        """Every choice of one ``/v1/completions`` request (``n`` samples of one prompt), in index order."""
+        with self._errors():
+            answer = self._sync.completions.create(
+                model=model, prompt=prompt_ids, **_arguments(params, _COMPLETION_FIELDS)
+            )
+        return _by_index(answer.choices)
+
+    def choices_many(self, prompts: list[list[int]], *, model: str, **params: Any) -> list[list[dict[str, Any]]]:
+        """:meth:`choices` of every prompt, the requests sent concurrently; the results in prompt order. Runs an
+        event loop of its own: from a coroutine, await :meth:`achoices_many` instead."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs in this thread: the usual case
+            return asyncio.run(self.achoices_many(prompts, model=model, **params))
+        raise RuntimeError("choices_many called inside a running event loop: await achoices_many instead")
+
+    async def achoices_many(self, prompts: list[list[int]], *, model: str, **params: Any) -> list[list[dict[str, Any]]]:
+        """:meth:`choices_many` in the caller's event loop, at most ``concurrency`` requests in flight."""
+        arguments = _arguments(params, _COMPLETION_FIELDS)
+        gate = asyncio.Semaphore(self.concurrency)
+        # An asyncio client belongs to the loop it runs in: one per batch, closed with it.
+        async with openai.AsyncOpenAI(**self._settings()) as client:
+
+            async def one(prompt_ids: list[int]) -> list[dict[str, Any]]:
+                async with gate:
+                    with self._errors():
+                        answer = await client.completions.create(model=model, prompt=prompt_ids, **arguments)
+                return _by_index(answer.choices)
+
+            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:  # after a failure, the other requests end before their client closes
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stream(self, prompt_ids: list[int], *, model: str, **params: Any) -> Iterator[dict[str, Any]]:
+        """A streamed ``/v1/completions`` request: each chunk's choice as the server sent it (its new ``text``,
+        ``token_ids`` and ``logprobs``; ``finish_reason`` on the last), in order."""
+        with self._errors():
+            chunks = self._sync.completions.create(
+                model=model, prompt=prompt_ids, stream=True, **_arguments(params, _COMPLETION_FIELDS)
+            )
+            with chunks:
+                for chunk in chunks:
+                    yield from (choice.to_dict() for choice in chunk.choices)
+
+    # ------------------------------------------------------------------ other endpoints
+    def chat(self, messages: list[dict[str, str]], *, model: str, **params: Any) -> dict[str, Any]:
+        """``/v1/chat/completions``: the whole answer (``choices``, and vLLM's ``prompt_token_ids``)."""
+        with self._errors():
+            answer = self._sync.chat.completions.create(
+                model=model,
+                messages=messages,  # plain role/content dicts, as the endpoint takes them
+                **_arguments(params, _CHAT_FIELDS),
+            )
+        return answer.to_dict()
+
+    def models(self) -> list[str]:
+        """The names ``/v1/models`` lists."""
+        with self._errors():
+            return [m.id for m in self._sync.models.list().data]
+
+    # ------------------------------------------------------------------ errors
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The ``openai`` package's errors as one :class:`ServerError` line (after its retries)."""
+        try:
+            yield
+        except openai.APIStatusError as exc:
+            path = exc.request.url.path
+            detail = " ".join(exc.response.text.split())[:_DETAIL_CHARS]
+            cause = self._cause() if exc.status_code >= 500 else ""
+            raise ServerError(f"{self.label} {path} answered {exc.status_code}: {detail}{cause}{self._log()}") from None
+        except openai.APIConnectionError as exc:  # APITimeoutError included
+            why = f"no answer in {self.timeout:g} s" if isinstance(exc, openai.APITimeoutError) else "unreachable"
+            reason = " ".join(f"{exc.message} ({exc.__cause__})".split()) if exc.__cause__ else exc.message
+            retries = "retry" if self.max_retries == 1 else "retries"
+            raise ServerError(
+                f"{self.label} {exc.request.url} {why} after {self.max_retries} {retries}: {reason}"
+                f"{self._cause()}{self._log()}"
+            ) from None
+        except openai.APIError as exc:  # an error event inside a stream
+            raise ServerError(f"{self.label} {exc.request.url.path} failed: {exc.message}{self._log()}") from None
+
+    def _cause(self) -> str:
+        return f"; server log: {self.root_cause()}" if self.root_cause is not None else ""
+
+    def _log(self) -> str:
+        return f" (log: {self.log_path})" if self.log_path is not None else ""
