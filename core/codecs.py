@@ -255,7 +255,7 @@ def _stacked_params(config: Any, mappings: list[Any]) -> tuple[str, ...]:
     }
     if not names:
         return ()
-    from model_support.core.validate import build_meta_model
+    from model_support.core.meta_model import build_meta_model
 
     path = next(iter(names)).rsplit(".", 1)[0]
     experts = next(m for n, m in build_meta_model(config).named_modules() if n.endswith(f".{path}"))

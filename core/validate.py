@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from model_support.core.errors import ModelSupportError
 from model_support.core.layout import ConfigFields, ModelLayout, text_config
+from model_support.core.meta_model import build_meta_model as build_meta_model  # where stages and plugins import it
 from model_support.core.spec import HandlerSpec, LoraTarget, TargetScope, Topology
 
 if TYPE_CHECKING:
@@ -27,16 +28,6 @@ SCOPE_PARENTS: dict[TargetScope, tuple[str, ...]] = {
 # Checkpoints that store experts as fused 3-D tensors (Qwen3.5-MoE's) are addressed per expert by PEFT and vLLM.
 _FUSED_EXPERT_PARAMS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 _LISTED = 3  # wrongly stored tensors named one by one; the rest are counted
-
-
-def build_meta_model(config: Any) -> Any:
-    """The model class named by the config's architectures, built without allocating weights."""
-    import torch
-    import transformers
-
-    cls = getattr(transformers, config.architectures[0])
-    with torch.device("meta"):
-        return cls(config)
 
 
 def _present(target: LoraTarget, hf: str, modules: set[str], params: set[str]) -> bool:

@@ -127,9 +127,9 @@ class _StateRecurrence(torch.autograd.Function):
     def forward(ctx, u, w, kd, gamma, s0, schedule, use_triton):  # type: ignore[override]
         use_triton = use_triton and _triton_supported(u, w)
         if use_triton:
-            from model_support.kernels import _triton_recurrence
+            from model_support.kernels._triton_recurrence import forward as triton_forward
 
-            d, s_start, s_final = _triton_recurrence.forward(u, w, kd, gamma, s0, schedule.offsets)
+            d, s_start, s_final = triton_forward(u, w, kd, gamma, s0, schedule.offsets)
         else:
             d, s_start, s_final = _loop_forward(u, w, kd, gamma, s0, schedule)
         ctx.save_for_backward(w, kd, gamma, d, s_start)
@@ -146,9 +146,9 @@ class _StateRecurrence(torch.autograd.Function):
         if ds_final is None:
             ds_final = s_start.new_zeros(n_seq, *s_start.shape[1:])
         if ctx.use_triton:
-            from model_support.kernels import _triton_recurrence
+            from model_support.kernels._triton_recurrence import backward as triton_backward
 
-            dd_total, ds_next, ds0 = _triton_recurrence.backward(
+            dd_total, ds_next, ds0 = triton_backward(
                 w, kd, gamma, dd, ds_start, ds_final.contiguous(), ctx.schedule.offsets
             )
         else:

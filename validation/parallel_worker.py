@@ -32,11 +32,11 @@ from safetensors.torch import save_file
 
 from model_support.core import api
 from model_support.core.layout import long_row_length
-from model_support.core.megatron.builder import global_name
 from model_support.core.megatron.context_parallel import whole_sequence
 from model_support.core.megatron.dist import ParallelLayout
 from model_support.core.megatron.forward import MicroBatch
 from model_support.core.megatron.lora import load_lora_state, lora_state, random_lora_state
+from model_support.core.megatron.names import global_name
 from model_support.core.megatron.rows import RowLayout
 from model_support.core.precision import exact_fp32
 from model_support.core.registry import load_registry

@@ -31,6 +31,7 @@ from model_support.core.errors import ModelSupportError
 from model_support.core.layout import text_config
 from model_support.core.megatron.dist import ParallelLayout, device, init_parallel
 from model_support.core.megatron.imports import import_bridge
+from model_support.core.megatron.names import global_name
 from model_support.core.megatron.state_source import hf_pretrained
 
 # Fusions that need transformer-engine, apex or megatron's CUDA extensions, none of which the local spec
@@ -89,31 +90,6 @@ def mapping_registry(model_bridge: Any) -> Any:
             twin.megatron_param = local
             derived.append(twin)
     return MegatronMappingRegistry(*mappings, *derived)
-
-
-_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
-_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
-
-
-def global_name(chunk: torch.nn.Module, local_name: str) -> str:
-    """A parameter name of one model chunk as the whole single-rank model names it: the layer index of this pipeline
-    stage replaced by the global one, the local expert index by the global one (expert parallelism).
-
-    (megatron-bridge does the same in a private helper, ``_megatron_local_name_to_global``.)
-    """
-    from megatron.core import parallel_state
-
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        layers = chunk.decoder.layers
-        # megatron-core numbers a stage's layers globally (from 1) in ``layer_number``.
-        local_name = _LAYER.sub(lambda m: f"{m[1]}{layers[int(m[2])].layer_number - 1}{m[3]}", local_name)
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    experts = getattr(getattr(chunk, "config", None), "num_moe_experts", None)
-    if ep == 1 or not experts:
-        return local_name
-    # Megatron gives each expert-parallel rank a contiguous block of num_experts / ep experts.
-    offset = parallel_state.get_expert_model_parallel_rank() * (experts // ep)
-    return _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + offset}{m[3]}", local_name)
 
 
 def mapping_name(local_name: str, has_mapping: Any) -> str:

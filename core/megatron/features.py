@@ -20,7 +20,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.self_attention\.core_attention$")
 
 def _windows(chunks: Sequence[torch.nn.Module]) -> dict[int, int | None]:
     """The attention window of each decoder layer this rank holds, by global layer index (None: full attention)."""
-    from model_support.core.megatron.builder import global_name
+    from model_support.core.megatron.names import global_name
     from model_support.core.megatron.spec import SDPAttention
 
     out: dict[int, int | None] = {}

@@ -27,8 +27,8 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
+from model_support.core.megatron.norms import ZeroCenteredRMSNorm
 from model_support.core.megatron.rows import RowLayout
-from model_support.core.megatron.spec import ZeroCenteredRMSNorm
 
 
 def gated_delta_rule(

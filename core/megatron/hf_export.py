@@ -16,8 +16,9 @@ import torch
 
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.errors import ModelSupportError
-from model_support.core.megatron.builder import MegatronModel, global_name, mapping_name, mapping_registry
+from model_support.core.megatron.builder import MegatronModel, mapping_name, mapping_registry
 from model_support.core.megatron.lora import LoraLinear
+from model_support.core.megatron.names import global_name
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

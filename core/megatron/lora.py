@@ -223,8 +223,8 @@ def target_key(target: LoraTarget) -> str:
 def apply_lora(model: Chunks, spec: HandlerSpec, *, rank: int = 8, alpha: float = 16.0) -> LoraReport:
     """Wrap every module the handler declares a LoRA target for; freeze everything else. Modules are reported under
     the single-rank model's names."""
-    from model_support.core.megatron.builder import global_name
     from model_support.core.megatron.gdn import GDN_MODULES
+    from model_support.core.megatron.names import global_name
 
     wrapped: dict[str, LoraLinear] = {}
     per_target: dict[str, list[str]] = {}
@@ -260,7 +260,7 @@ def apply_lora(model: Chunks, spec: HandlerSpec, *, rank: int = 8, alpha: float 
 
 def lora_modules(model: Chunks) -> dict[str, LoraLinear]:
     """This rank's LoRA modules under the single-rank model's names (global layer and expert indices)."""
-    from model_support.core.megatron.builder import global_name
+    from model_support.core.megatron.names import global_name
 
     return {
         global_name(chunk, name): m

@@ -2,7 +2,7 @@
 
 Two local-spec modules of megatron-core do not fit: ``DotProductAttention`` takes its score buffer from
 a CUDA-only global memory buffer, and ``WrappedTorchNorm`` refuses zero-centred gamma (Qwen3.5's norms).
-:class:`SDPAttention` and :class:`ZeroCenteredRMSNorm` replace them; everything else is megatron-core's
+:class:`SDPAttention` and :class:`ZeroCenteredRMSNorm` (``norms.py``) replace them; everything else is megatron-core's
 own local spec (ColumnParallelLinear / RowParallelLinear, SelfAttention with q/k norm and output gate or
 multi-latent attention, MoE SequentialMLP), laid out per layer by megatron-core's own block spec.
 :class:`PostNormRowParallelLinear` is the local twin of megatron-bridge's ``TERowParallelLinearLayerNorm`` (a norm
@@ -25,51 +25,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from model_support.core.megatron.norms import LocalRMSNorm as LocalRMSNorm  # re-exported for families' layer specs
+from model_support.core.megatron.norms import ZeroCenteredRMSNorm, local_norm
 from model_support.core.megatron.rows import RowLayout
-
-
-class LocalRMSNorm(torch.nn.Module):
-    """RMSNorm computing ``norm(x) * weight`` in fp32; unlike megatron-core's torch-norm wrapper it runs under
-    sequence parallelism (its weight is marked ``sequence_parallel``, as megatron-core marks its own norms)."""
-
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(self._initial(hidden_size, config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
-
-    @staticmethod
-    def _initial(size: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.ones(size, dtype=dtype)
-
-    def _gain(self) -> torch.Tensor:
-        return self.weight.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self._gain()).to(x.dtype)
-
-
-class ZeroCenteredRMSNorm(LocalRMSNorm):
-    """RMSNorm computing ``norm(x) * (1 + weight)`` in fp32."""
-
-    @staticmethod
-    def _initial(size: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(size, dtype=dtype)
-
-    def _gain(self) -> torch.Tensor:
-        return 1.0 + self.weight.float()
-
-
-def local_norm(config: Any) -> type[LocalRMSNorm] | None:
-    """The norm model-support substitutes for the local spec's: zero-centred gamma (which megatron-core's torch norm
-    refuses), or RMSNorm under sequence parallelism (likewise); None keeps megatron-core's."""
-    if config.layernorm_zero_centered_gamma:
-        return ZeroCenteredRMSNorm
-    if config.sequence_parallel and config.normalization == "RMSNorm":
-        return LocalRMSNorm
-    return None
 
 
 class SDPAttention(MegatronModule):

@@ -29,16 +29,13 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import write_checkpoint
-
-if TYPE_CHECKING:
-    from model_support.core.serving.vllm_backend import VllmServer
 
 # safetensors' dtype names (a checkpoint header's) as torch names them.
 _TORCH_DTYPE = {
@@ -67,10 +64,27 @@ def memory_dir() -> Path | None:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+class UpdatableServer(Protocol):
+    """What :class:`WeightUpdater` uses of a live server (``vllm_backend.VllmServer``, which builds the updater: this
+    module does not import it back)."""
+
+    served_name: str
+
+    def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any: ...
+
+    def reload_weights(self, weights_dir: Path) -> None: ...
+
+    def rename(self, name: str) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class WeightUpdater:
     """Applies whole steps of weights to ``server``; ``staging_root`` holds what a step writes."""
 
-    def __init__(self, server: VllmServer, staging_root: Path, support_from: Path, *, stream: bool) -> None:
+    def __init__(self, server: UpdatableServer, staging_root: Path, support_from: Path, *, stream: bool) -> None:
         self.server, self.stream = server, stream
         self.staging_root, self.support_from = Path(staging_root), Path(support_from)
         self._loaded: Path | None = None
