@@ -138,6 +138,7 @@ def broken_run(model_dir: Path, json_out: Path) -> None:
     from model_support.validation.context import CheckContext
     from model_support.validation.report import write_reports
     from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
 
     class SwappedGateUpCodec(BridgeLoraCodec):
         @staticmethod
@@ -168,7 +169,7 @@ def broken_run(model_dir: Path, json_out: Path) -> None:
         registry=registry,
         workdir=model_dir.parent / "broken-work",
     )
-    report = run_checks(ctx, plan([s.stage for s in registry.stages], ["lora_coverage"]))
+    report = run_checks(ctx, plan(load_stages(registry).classes(), ["lora_coverage"]))
     write_reports(report, json_out, None, None)
 
 

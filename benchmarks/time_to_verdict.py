@@ -123,7 +123,7 @@ def cpu(handlers: list[str], work: Path, logs: Path) -> list[dict[str, Any]]:
     if not handlers:
         from model_support.core.registry import load_registry
 
-        registry = load_registry(stages=False)
+        registry = load_registry()
         handlers = sorted(h.spec.name for h in registry.handlers.values() if h.plugin.name == "builtin")
     rows = []
     for handler in handlers:

@@ -1,4 +1,5 @@
-"""The ``model-support`` command line."""
+"""The ``model-support`` command line: the top layer, which may import every other (docs/architecture.md); nothing
+in the package imports it."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from model_support.core import api, progress, quiet
-from model_support.core.discovery import ModelSource, load_config, locate
-from model_support.core.errors import ModelNotFoundError, ModelSupportError
+from model_support.core.discovery import ModelSource, load_config, locate, source_for
+from model_support.core.errors import ModelSupportError
+from model_support.core.plugin_loading import PluginControlError
 from model_support.core.registry import Registry, load_registry, parse_preferences
 from model_support.core.serving.cli import runtime_app
 from model_support.core.spec import HandlerSpec
-from model_support.plugins.manager import PluginControlError
 from model_support.plugins.new_handler import new_handler
-from model_support.plugins.reference_docs import docs
+from model_support.validation.reference_docs import docs_command
+from model_support.validation.stage_registry import StageRegistry, load_stages
 
 if TYPE_CHECKING:
     from model_support.validation.stage import StageResult
@@ -53,16 +55,22 @@ PreferOption = Annotated[
 ]
 
 
-def _registry(prefer: list[str] | None = None, stages: bool = True) -> Registry:
-    """The registry, its problems and unsettled conflicts printed; ``stages=False`` for commands that need handlers
-    only (the stage modules import torch)."""
-    registry = load_registry(prefer=parse_preferences(",".join(prefer or [])), stages=stages)
-    for problem in registry.problems:
+def _loaded(prefer: list[str] | None = None, stages: bool = True) -> tuple[Registry, StageRegistry]:
+    """The handler registry and the registered stages, their problems and unsettled conflicts printed;
+    ``stages=False`` for commands that need handlers only (the stage modules import torch): no stages then."""
+    registry = load_registry(prefer=parse_preferences(",".join(prefer or [])))
+    found = load_stages(registry) if stages else StageRegistry()
+    for problem in [*registry.problems, *found.problems]:
         err.print(f"[yellow]warning:[/] {problem}")
     for arch, claimants in registry.conflicts().items():
         names = ", ".join(c.label() for c in claimants)
         err.print(f"[yellow]warning:[/] architecture {arch} is claimed by {names} (use --prefer)")
-    return registry
+    return registry, found
+
+
+def _registry(prefer: list[str] | None = None, stages: bool = True) -> Registry:
+    """The handler registry, as :func:`_loaded` prints it."""
+    return _loaded(prefer, stages)[0]
 
 
 def _print_progress(result: StageResult) -> None:
@@ -155,12 +163,12 @@ def stages() -> None:
     """List the validation stages in pipeline order."""
     from model_support.validation.runner import plan
 
-    registry = _registry()
-    origin = {s.stage.name: s.plugin.distribution for s in registry.stages}
+    _, registered = _loaded()
+    origin = {s.stage.name: s.plugin.distribution for s in registered.stages}
     table = Table(title="validation stages")
     for col in ("stage", "requires", "proves", "from"):
         table.add_column(col)
-    for stage in plan([s.stage for s in registry.stages]):
+    for stage in plan(registered.classes()):
         table.add_row(stage.name, ", ".join(stage.requires), stage.title, origin[stage.name])
     console.print(table)
 
@@ -190,24 +198,6 @@ def _check_preferred(prefer: list[str] | None, registry: Registry, source: Model
                 f"--prefer {name}: handler {name} claims {', '.join(claimed)}, none of {source.config_file}'s "
                 f"architectures ({', '.join(source.architectures) or 'none'}); drop it or name a handler that does"
             )
-
-
-def source_for(target: str, registry: Registry, tiny: bool) -> ModelSource:
-    """Locate ``target``; under ``--tiny`` a handler name or architecture uses its reference config."""
-    try:
-        return locate(target)
-    except ModelNotFoundError:
-        if target not in registry.handlers and target not in registry.claims:
-            raise
-        if not tiny:
-            raise ModelNotFoundError(
-                f"{target!r} names a handler, not a model: pass --tiny to check a tiny replica of its reference "
-                "config, or pass a model directory"
-            ) from None
-    spec = registry.get(target).spec
-    if spec.reference_config is None:
-        raise ModelNotFoundError(f"handler {spec.name!r} ships no reference config; pass a model directory")
-    return locate(str(spec.reference_config))
 
 
 @app.command()
@@ -279,11 +269,11 @@ def check(
     from model_support.core.parallel import parse_layouts
 
     chosen_layouts = parse_layouts(layouts) if layouts else None
-    registry = _registry(prefer)
+    registry, registered = _loaded(prefer)
     source = source_for(target, registry, tiny)
     _check_preferred(prefer, registry, source)
     handler = api.resolve(source, registry=registry)
-    stages_to_run = plan([s.stage for s in registry.stages], stage)
+    stages_to_run = plan(registered.classes(), stage)
     if not tiny:
         from model_support.core.checkpoint import stored_tensors
 
@@ -342,7 +332,7 @@ def selftest(
     """Inject named bugs into the real code path on tiny replicas: each must make its stage fail, and the same
     stages must pass without it. Exit status 1 when a bug went uncaught or a clean run failed."""
     from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
-    from model_support.validation.selftest import markdown_table, run_selftest
+    from model_support.validation.selftest_runner import markdown_table, run_selftest
 
     if markdown_out is not None:
         check_report_path("--markdown", markdown_out)
@@ -414,7 +404,8 @@ def replica(
 
 
 app.command("new-handler")(new_handler)
-app.command("docs")(docs)
+# The reference pages are rendered from this app: it is passed in, so the renderer never imports the command line.
+app.command("docs")(docs_command(app))
 
 
 def main() -> None:

@@ -89,6 +89,24 @@ def locate(target: str) -> ModelSource:
     return ModelSource(target, directory, raw, config_file)
 
 
+def source_for(target: str, registry: Registry, tiny: bool) -> ModelSource:
+    """Locate ``target``; under ``--tiny`` a handler name or architecture uses its reference config."""
+    try:
+        return locate(target)
+    except ModelNotFoundError:
+        if target not in registry.handlers and target not in registry.claims:
+            raise
+        if not tiny:
+            raise ModelNotFoundError(
+                f"{target!r} names a handler, not a model: pass --tiny to check a tiny replica of its reference "
+                "config, or pass a model directory"
+            ) from None
+    spec = registry.get(target).spec
+    if spec.reference_config is None:
+        raise ModelNotFoundError(f"handler {spec.name!r} ships no reference config; pass a model directory")
+    return locate(str(spec.reference_config))
+
+
 # The checkpoint's JSON files besides its config that the stages' libraries read.
 _SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -1,18 +1,19 @@
-"""The handler registry: every handler the installed plugins declare, and who claims what."""
+"""The handler registry: every handler the installed plugins declare, and who claims what.
+
+It holds handlers only. The plugins it was built from stay loaded (:attr:`Registry.loaded`) for the hooks a higher
+layer calls itself: the validation harness collects the plugins' stages from them
+(:mod:`model_support.validation.stage_registry`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from model_support.core.errors import HandlerConflictError, UnknownArchitectureError
+from model_support.core.plugin_loading import LoadedPlugins, PluginControlError, PluginInfo, hook_results, load_plugins
 from model_support.core.spec import HandlerSpec
-from model_support.plugins.manager import LoadedPlugins, PluginControlError, PluginInfo, load_plugins
-
-if TYPE_CHECKING:
-    from model_support.validation.stage import Stage
 
 PREFER_ENV = "MODEL_SUPPORT_PREFER"
 ADD_HANDLER_HINT = "add a handler plugin for it (`model-support new-handler`, see docs/adding-a-model.md)"
@@ -29,12 +30,6 @@ class RegisteredHandler:
 
     def label(self) -> str:
         return f"handler {self.spec.name!r} ({self.origin})"
-
-
-@dataclass(frozen=True)
-class RegisteredStage:
-    stage: type[Stage]
-    plugin: PluginInfo
 
 
 def parse_preferences(raw: str) -> dict[str, str]:
@@ -58,49 +53,26 @@ def parse_preferences(raw: str) -> dict[str, str]:
 @dataclass
 class Registry:
     handlers: dict[str, RegisteredHandler] = field(default_factory=dict)
-    stages: list[RegisteredStage] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     claims: dict[str, list[RegisteredHandler]] = field(default_factory=dict)
     preferences: dict[str, str] = field(default_factory=dict)
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    # The plugins the registry was built from (None: built by hand), for the hooks other layers call on them.
+    loaded: LoadedPlugins | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ building
     @classmethod
     def from_plugins(cls, loaded: LoadedPlugins, preferences: Mapping[str, str] | None = None) -> Registry:
-        """The handlers and the validation stages the ``loaded`` plugins declare."""
-        reg = cls.handlers_of(loaded, preferences)
-        for impl in loaded.manager.hook.model_support_stages.get_hookimpls():
-            reg._add_stages(loaded.plugins[impl.plugin_name], impl.function)
-        return reg
-
-    @classmethod
-    def handlers_of(cls, loaded: LoadedPlugins, preferences: Mapping[str, str] | None = None) -> Registry:
-        """The handlers alone, its ``stages`` left empty: the stage hooks are not called (stage modules import
-        torch), so ``list`` and ``show`` stay fast."""
-        reg = cls(preferences=dict(preferences or {}), plugins=dict(loaded.plugins))
+        """The handlers the ``loaded`` plugins declare. The stage hooks are not called here (stage modules import
+        torch, and stages are the validation harness's), so ``list`` and ``show`` stay fast."""
+        reg = cls(preferences=dict(preferences or {}), plugins=dict(loaded.plugins), loaded=loaded)
         reg.problems.extend(b.message() for b in loaded.broken)
         for impl in loaded.manager.hook.model_support_handlers.get_hookimpls():
             reg._add_handlers(loaded.plugins[impl.plugin_name], impl.function)
         return reg
 
-    def _call(self, plugin: PluginInfo, function: Any, what: str) -> list[Any] | None:
-        try:
-            result = function()
-        except Exception as exc:
-            self.problems.append(
-                f"plugin {plugin.name!r} ({plugin.distribution}) skipped: {what} raised {type(exc).__name__}: {exc}"
-            )
-            return None
-        if not isinstance(result, list | tuple):
-            self.problems.append(
-                f"plugin {plugin.name!r} ({plugin.distribution}) skipped: {what} returned "
-                f"{type(result).__name__}, expected a list"
-            )
-            return None
-        return list(result)
-
     def _add_handlers(self, plugin: PluginInfo, function: Any) -> None:
-        specs = self._call(plugin, function, "model_support_handlers()")
+        specs = hook_results(plugin, function, "model_support_handlers()", self.problems)
         if specs is None:
             return
         for spec in specs:
@@ -121,23 +93,6 @@ class Registry:
             self.handlers[spec.name] = entry
             for arch in spec.architectures:
                 self.claims.setdefault(arch, []).append(entry)
-
-    def _add_stages(self, plugin: PluginInfo, function: Any) -> None:
-        from model_support.validation.stage import Stage
-
-        stages = self._call(plugin, function, "model_support_stages()")
-        for stage in stages or ():
-            if not (isinstance(stage, type) and issubclass(stage, Stage)):
-                self.problems.append(
-                    f"plugin {plugin.name!r} ({plugin.distribution}) returned {stage!r}, not a Stage class; skipped it"
-                )
-                continue
-            if any(s.stage.name == stage.name for s in self.stages):
-                self.problems.append(
-                    f"stage {stage.name!r} from {plugin.distribution} duplicates a registered stage; skipped it"
-                )
-                continue
-            self.stages.append(RegisteredStage(stage, plugin))
 
     # ------------------------------------------------------------------ queries
     def conflicts(self) -> dict[str, list[RegisteredHandler]]:
@@ -207,18 +162,15 @@ class Registry:
         )
 
 
-def load_registry(
-    env: Mapping[str, str] | None = None, prefer: Mapping[str, str] | None = None, *, stages: bool = True
-) -> Registry:
-    """Load every allowed plugin and build the registry; ``stages=False`` leaves the stages out
-    (:meth:`Registry.handlers_of`).
+def load_registry(env: Mapping[str, str] | None = None, prefer: Mapping[str, str] | None = None) -> Registry:
+    """Load every allowed plugin and build the registry of their handlers (the validation stages:
+    ``model_support.validation.stage_registry.load_stages``).
 
     Preferences come from ``MODEL_SUPPORT_PREFER`` and, taking precedence, ``prefer``.
     """
     environ = dict(env if env is not None else os.environ)
     from_env = parse_preferences(environ.get(PREFER_ENV, ""))
-    build = Registry.from_plugins if stages else Registry.handlers_of
-    registry = build(load_plugins(environ), {**from_env, **(prefer or {})})
+    registry = Registry.from_plugins(load_plugins(environ), {**from_env, **(prefer or {})})
     registry.check_preferences(from_env, PREFER_ENV)
     registry.check_preferences(prefer or {}, "--prefer")
     return registry

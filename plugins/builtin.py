@@ -1,24 +1,19 @@
-"""The project's own plugin: built-in handlers and validation stages."""
+"""The project's own plugin: the built-in handlers and serving backend.
+
+Its validation stages come from the harness (``model_support.validation.builtin_stages``), which adds them in this
+plugin's name wherever it is loaded: this layer does not import the harness (docs/architecture.md).
+"""
 
 from collections.abc import Sequence
 
 from model_support.core.spec import HandlerSpec
 from model_support.handlers import BUILTIN_HANDLERS
 from model_support.plugins import hookimpl
-from model_support.validation.stage import Stage
 
 
 @hookimpl
 def model_support_handlers() -> Sequence[HandlerSpec]:
     return list(BUILTIN_HANDLERS)
-
-
-@hookimpl
-def model_support_stages() -> Sequence[type[Stage]]:
-    # Imported when the stages are asked for: their modules import torch, which `list` and `show` never need.
-    from model_support.validation.stages import BUILTIN_STAGES
-
-    return list(BUILTIN_STAGES)
 
 
 @hookimpl

@@ -1,44 +1,30 @@
-"""The hooks a model-support plugin can implement."""
+"""The hooks a model-support plugin can implement, and :data:`hookimpl`, the marker of an implementation.
 
-from __future__ import annotations
+Where a plugin author imports from (``from model_support.plugins import hookimpl`` or from this module); the
+specifications themselves live with the layer that calls each hook (docs/architecture.md):
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+- ``model_support_handlers``, ``model_support_serving_backends``, ``model_support_megatron_bridges``: the core's
+  (:mod:`model_support.core.hooks`), re-exported here;
+- ``model_support_stages`` (validation stage classes this plugin adds to ``model-support check``): the validation
+  harness's (:mod:`model_support.validation.hookspecs`), which this layer does not import.
+"""
 
-import pluggy
+from model_support.core.hooks import (
+    ENTRY_POINT_GROUP,
+    PROJECT,
+    hookimpl,
+    hookspec,
+    model_support_handlers,
+    model_support_megatron_bridges,
+    model_support_serving_backends,
+)
 
-if TYPE_CHECKING:
-    from model_support.core.spec import HandlerSpec
-    from model_support.validation.stage import Stage
-
-PROJECT = "model_support"
-ENTRY_POINT_GROUP = "model_support"
-
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
-
-
-@hookspec
-def model_support_handlers() -> Sequence[HandlerSpec]:
-    """Return the handler declarations this plugin provides."""
-
-
-@hookspec
-def model_support_stages() -> Sequence[type[Stage]]:
-    """Return validation stage classes this plugin adds to ``model-support check``."""
-
-
-@hookspec
-def model_support_serving_backends() -> Sequence[object]:
-    """Return serving backends (objects shaped like ``model_support.core.serving.backend.ServingBackend``)."""
-
-
-@hookspec
-def model_support_megatron_bridges() -> Sequence[Callable[[], object]]:
-    """Return callables that register megatron-bridge bridges, for a family megatron-bridge lacks.
-
-    Typically ``[lambda: importlib.import_module("my_family.bridge")]``, a module whose bridge class carries
-    ``@MegatronModelBridge.register_bridge(...)``. They are called once per process, right after megatron-bridge
-    is imported for a Megatron stage or the training-time API, never by ``list`` / ``show`` / ``check`` of the
-    other stages, which so stay fast and free of Megatron's import-time warnings.
-    """
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PROJECT",
+    "hookimpl",
+    "hookspec",
+    "model_support_handlers",
+    "model_support_megatron_bridges",
+    "model_support_serving_backends",
+]

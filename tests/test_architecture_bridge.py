@@ -14,6 +14,7 @@ import transformers
 from model_support.core import targets
 from model_support.core.checkpoint import TextCheckpoint
 from model_support.core.layout import text_config
+from model_support.core.plugin_loading import PluginInfo
 from model_support.core.registry import RegisteredHandler, Registry
 from model_support.core.spec import HandlerSpec, LoraExclusion, LoraTarget, SpecError, TargetScope
 from model_support.core.validate import (
@@ -24,7 +25,6 @@ from model_support.core.validate import (
     uncovered_targets,
 )
 from model_support.handlers import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
-from model_support.plugins.manager import PluginInfo
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import StageResult
 from model_support.validation.stages.architecture import ArchitectureStage

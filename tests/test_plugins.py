@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from model_support.core.errors import HandlerConflictError, UnknownArchitectureError
+from model_support.core.plugin_loading import load_plugins
 from model_support.core.registry import load_registry
-from model_support.plugins.manager import load_plugins
+from model_support.validation.stage_registry import load_stages
 from tests.helpers import pip_install_target, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "plugins"
@@ -36,13 +37,18 @@ def test_builtins_register_through_the_projects_own_entry_point():
     assert set(registry.handlers) == BUILTIN
     assert {h.plugin.name for h in registry.handlers.values()} == {"builtin"}
     assert {h.plugin.distribution for h in registry.handlers.values()} == {"model-support"}
-    assert [s.stage.name for s in registry.stages][:2] == ["dependencies", "architecture"]
     assert registry.problems == []
+    stages = load_stages(registry)
+    assert [s.stage.name for s in stages.stages][:2] == ["dependencies", "architecture"]
+    # The built-in stages come from the harness in the name of the same plugin (the plugin layer cannot import it).
+    assert {s.plugin.name for s in stages.stages} == {"builtin"}
+    assert {s.plugin.distribution for s in stages.stages} == {"model-support"}
+    assert stages.problems == []
 
 
 def test_broken_and_garbage_plugins_are_reported_by_name_and_skipped(with_site: Path):
     registry = load_registry(env={})
-    problems = "\n".join(registry.problems)
+    problems = "\n".join([*registry.problems, *load_stages(registry).problems])
     assert "plugin 'broken' (model-support-broken) skipped: ModuleNotFoundError" in problems
     assert "a_dependency_that_is_not_installed" in problems
     assert "plugin 'garbage' (model-support-garbage) returned a str that is not a HandlerSpec" in problems
@@ -87,6 +93,7 @@ def test_environment_variable_restricts_which_plugins_load(with_site: Path):
     assert loaded.broken == []
     only_third_party = load_registry(env={"MODEL_SUPPORT_PLUGINS": "qwen3-alt"})
     assert set(only_third_party.handlers) == {"qwen3-alt"}
+    assert load_stages(only_third_party).stages == []  # the built-in stages come with the builtin plugin only
     with pytest.raises(UnknownArchitectureError, match="no handler claims architecture 'Qwen3_5ForCausalLM'"):
         only_third_party.for_architecture("Qwen3_5ForCausalLM")
 
@@ -123,3 +130,50 @@ def test_cli_check_on_a_conflicted_architecture_is_a_one_line_error(site: Path, 
     )
     assert settled.returncode == 0, settled.stdout + settled.stderr
     assert "with handler qwen3-alt (model-support-qwen3-alt 1.2.3)" in settled.stderr
+
+
+def test_the_harness_collects_stages_in_plugin_order_with_the_builtin_ones_in_the_builtin_plugins_place():
+    """The core's plugin manager knows no stage hook: the harness adds it, and the built-in stages stand where the
+    `builtin` plugin is loaded; an implementation that takes arguments is named and left out."""
+    import types
+
+    import pluggy
+
+    from model_support.core import hooks
+    from model_support.core.plugin_loading import LoadedPlugins, PluginInfo
+    from model_support.core.registry import Registry
+    from model_support.plugins import builtin, hookimpl
+    from model_support.validation.stage import Stage
+
+    def plugin(name: str, *stage_names: str, takes_an_argument: bool = False) -> types.ModuleType:
+        stages = [type(n, (Stage,), {"name": n, "title": n, "order": 1, "run": None}) for n in stage_names]
+        module = types.ModuleType(name)
+        if takes_an_argument:
+            module.model_support_stages = hookimpl(lambda ctx: stages)
+        else:
+            module.model_support_stages = hookimpl(lambda: stages)
+        return module
+
+    manager = pluggy.PluginManager(hooks.PROJECT)
+    manager.add_hookspecs(hooks)
+    loaded = LoadedPlugins(manager)
+    for name, module in [
+        ("alpha", plugin("alpha", "a1")),
+        ("bad", plugin("bad", "b1", takes_an_argument=True)),
+        ("builtin", builtin),
+        ("zeta", plugin("zeta", "z1", "dependencies")),
+    ]:
+        manager.register(module, name=name)
+        loaded.plugins[name] = PluginInfo(name, f"dist-{name}", "1")
+    assert not manager.hook.model_support_stages.has_spec()
+    registry = Registry.from_plugins(loaded)
+    for _ in range(2):  # the same answer however often it is asked
+        found = load_stages(registry)
+        names = [(s.stage.name, s.plugin.name) for s in found.stages]
+        assert names[:3] == [("a1", "alpha"), ("dependencies", "builtin"), ("architecture", "builtin")]
+        assert names[-1] == ("z1", "zeta")
+        assert found.problems == [
+            "plugin 'bad' (dist-bad) skipped: model_support_stages takes ctx, the hook passes no arguments",
+            "stage 'dependencies' from dist-zeta duplicates a registered stage; skipped it",
+        ]
+    assert manager.hook.model_support_stages.has_spec()

@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from model_support.validation import selftest
+from model_support.validation import selftest, selftest_runner
 from tests.helpers import run_cli
 from tests.megatron.conftest import require_megatron
 
@@ -14,7 +14,7 @@ from tests.megatron.conftest import require_megatron
 @pytest.mark.slow
 def test_every_injected_bug_fails_its_stage_and_the_clean_runs_pass(tmp_path):
     require_megatron()
-    outcomes = selftest.run_selftest(tmp_path)
+    outcomes = selftest_runner.run_selftest(tmp_path)
     by_name = {o.name: o for o in outcomes if o.name != "clean"}
     assert len(by_name) == len(selftest.MUTATIONS) >= 10
     bad = [f"{o.name} ({o.handler}, {o.stage}): {o.status}: {o.summary}" for o in outcomes if not o.ok]
@@ -24,7 +24,7 @@ def test_every_injected_bug_fails_its_stage_and_the_clean_runs_pass(tmp_path):
         assert by_name[m.name].status in expected, by_name[m.name]
     cleans = [o for o in outcomes if o.name == "clean"]
     assert cleans and all(o.status == "pass" for o in cleans)
-    table = selftest.markdown_table(outcomes)
+    table = selftest_runner.markdown_table(outcomes)
     assert table.count("| yes |") == sum(1 for o in by_name.values() if o.status == "fail")
 
 
@@ -33,11 +33,12 @@ def test_a_bug_no_stage_catches_is_reported_as_such(tmp_path, monkeypatch):
     require_megatron()
     harmless = selftest.Mutation("no-op", "nothing is wrong", "qwen3", "packed_position_ids", nullcontext)
     monkeypatch.setattr(selftest, "MUTATIONS", (harmless,))
-    (clean, outcome) = selftest.run_selftest(tmp_path)
+    (clean, outcome) = selftest_runner.run_selftest(tmp_path)
     assert clean.ok and clean.status == "pass"
     assert outcome.status == "pass" and not outcome.ok
-    assert "| no-op | nothing is wrong | qwen3 | packed_position_ids | pass: " in selftest.markdown_table([outcome])
-    assert selftest.markdown_table([outcome]).rstrip().endswith("| NO |")
+    table = selftest_runner.markdown_table([outcome])
+    assert "| no-op | nothing is wrong | qwen3 | packed_position_ids | pass: " in table
+    assert table.rstrip().endswith("| NO |")
 
 
 def test_an_unknown_mutation_is_a_one_line_error(tmp_path):

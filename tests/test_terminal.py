@@ -19,9 +19,9 @@ from rich.console import Console
 
 from model_support.core import progress
 from model_support.core.layout import ModelLayout
+from model_support.core.plugin_loading import load_plugins
 from model_support.core.quiet import KNOWN, Noise, hidden_noise
 from model_support.core.registry import load_registry
-from model_support.plugins.manager import load_plugins
 from model_support.validation.context import CheckContext
 from model_support.validation.report import render_terminal, to_json
 from model_support.validation.runner import plan, run_checks

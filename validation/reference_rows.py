@@ -28,7 +28,7 @@ def compare_with_reference(
     """
     from model_support.core.megatron.compare import closeness, replayed_routing, routing_agreement, tolerances
     from model_support.core.megatron.forward import logits
-    from model_support.core.megatron.session import hf_reference, reference_lowp
+    from model_support.validation.megatron_session import hf_reference, reference_lowp
 
     moe = ctx.layout.moe is not None
     ref = hf_reference(ctx).forward(tokens, adapter=adapter, routers=moe)

@@ -11,10 +11,9 @@ being able to fail breaks CI.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -33,19 +32,6 @@ class Mutation:
     stage: str
     patch: Callable[[], AbstractContextManager[Any]]
     needs_server: bool = False
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A mutation's (or a clean run's) result: ``ok`` when the stage failed under the bug (passed when clean)."""
-
-    name: str
-    bug: str
-    handler: str
-    stage: str
-    status: str
-    summary: str
-    ok: bool
 
 
 # --- the mutations -------------------------------------------------------------------------------------------------
@@ -581,58 +567,3 @@ def injected(name: str) -> Iterator[None]:
 def active_mutation() -> str | None:
     """The mutation :func:`injected` holds open in this process (None: none)."""
     return _active
-
-
-# --- running them --------------------------------------------------------------------------------------------------
-
-
-def _stage_result(handler: str, stage: str, workdir: Path) -> Any:
-    from model_support.plugins.pytest_plugin import CheckRequest, run_check
-
-    report = run_check(CheckRequest(target=handler, tiny=True, stages=(stage,)), workdir)
-    return next(r for r in report.results if r.stage == stage)
-
-
-def run_selftest(
-    workdir: Path, names: Sequence[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None
-) -> list[Outcome]:
-    """Clean runs, then every selected mutation (all when ``names`` is empty), in catalogue order."""
-    from model_support.core.serving.session import backend
-
-    chosen = [m for m in MUTATIONS if not names or m.name in names]
-    unknown = sorted(set(names or ()) - {m.name for m in MUTATIONS})
-    if unknown:
-        raise ModelSupportError(
-            f"unknown mutation(s) {', '.join(unknown)}; known: {', '.join(m.name for m in MUTATIONS)}"
-        )
-    no_server = backend().unavailable_reason()
-    outcomes: list[Outcome] = []
-
-    def record(outcome: Outcome) -> None:
-        outcomes.append(outcome)
-        if on_outcome is not None:
-            on_outcome(outcome)
-
-    runnable = [m for m in chosen if not (m.needs_server and no_server)]
-    for handler, stage in dict.fromkeys((m.handler, m.stage) for m in runnable):
-        result = _stage_result(handler, stage, workdir / f"clean-{handler}-{stage}")
-        ok = result.status == "pass"
-        record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, ok))
-    for m in chosen:
-        if m.needs_server and no_server:
-            record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
-            continue
-        with injected(m.name):
-            result = _stage_result(m.handler, m.stage, workdir / m.name)
-        record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
-    return outcomes
-
-
-def markdown_table(outcomes: Sequence[Outcome]) -> str:
-    """The outcomes as a Markdown table (the one docs/stages.md carries)."""
-    lines = ["| mutation | bug | handler | must fail | result | caught |", "| --- | --- | --- | --- | --- | --- |"]
-    for o in outcomes:
-        verdict = ("passed (clean)" if o.ok else "FAILED (clean)") if o.name == "clean" else ("yes" if o.ok else "NO")
-        summary = o.summary.replace("|", "\\|")
-        lines.append(f"| {o.name} | {o.bug} | {o.handler} | {o.stage} | {o.status}: {summary} | {verdict} |")
-    return "\n".join(lines) + "\n"

@@ -69,7 +69,7 @@ def import_bridge() -> types.ModuleType:
 
 def _register_plugin_bridges() -> None:
     """Call every plugin's ``model_support_megatron_bridges`` registrars (a failure names the plugin)."""
-    from model_support.plugins.manager import load_plugins
+    from model_support.core.plugin_loading import load_plugins
 
     loaded = load_plugins()
     for impl in loaded.manager.hook.model_support_megatron_bridges.get_hookimpls():

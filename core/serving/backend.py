@@ -119,7 +119,7 @@ class ServingBackend(Protocol):
 
 def serving_backends(env: dict[str, str] | None = None) -> dict[str, ServingBackend]:
     """Every backend the installed plugins provide, by name (the first plugin to claim a name wins)."""
-    from model_support.plugins.manager import load_plugins
+    from model_support.core.plugin_loading import load_plugins
 
     found: dict[str, ServingBackend] = {}
     for provided in load_plugins(env).manager.hook.model_support_serving_backends():

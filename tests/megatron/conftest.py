@@ -31,7 +31,7 @@ MEGATRON_STAGES = (
 @pytest.fixture(scope="session")
 def megatron_report(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], object]:
     """``megatron_report("qwen3.5")`` -> the Report of ``check qwen3.5 --tiny`` over the Megatron stages."""
-    from model_support.plugins.pytest_plugin import CheckRequest, run_check
+    from model_support.validation.pytest_plugin import CheckRequest, run_check
 
     require_megatron()
     reports: dict[str, object] = {}

@@ -14,6 +14,7 @@ from model_support.core.registry import load_registry
 from model_support.validation.context import CheckContext
 from model_support.validation.runner import plan, run_checks
 from model_support.validation.stage import Status
+from model_support.validation.stage_registry import load_stages
 from tests.megatron.conftest import MEGATRON_STAGES, require_megatron
 
 pytestmark = pytest.mark.slow
@@ -38,12 +39,12 @@ def _context(model_dir: Path, workdir: Path) -> CheckContext:
 
 
 def _run(ctx: CheckContext, stages: tuple[str, ...], mutate: Callable[[torch.nn.Module], None] | None = None):
-    from model_support.core.megatron.session import megatron_model
+    from model_support.validation.megatron_session import megatron_model
 
     if mutate is not None:
         with torch.no_grad():
             mutate(megatron_model(ctx).model)
-    report = run_checks(ctx, plan([s.stage for s in ctx.registry.stages], list(stages)))
+    report = run_checks(ctx, plan(load_stages(ctx.registry).classes(), list(stages)))
     return {r.stage: r for r in report.results}
 
 
@@ -98,7 +99,7 @@ def test_lora_that_does_not_reach_the_loss_fails_trainability(tiny_model_dir, tm
     """LoRA applied everywhere but scaled to nothing: no step can move the loss, and the stage says so."""
     require_megatron()
     from model_support.core.megatron.lora import lora_modules
-    from model_support.core.megatron.session import megatron_lora, megatron_model
+    from model_support.validation.megatron_session import megatron_lora, megatron_model
 
     ctx = _context(tiny_model_dir("qwen3"), tmp_path)
     megatron_lora(ctx)

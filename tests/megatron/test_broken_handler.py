@@ -40,6 +40,7 @@ def test_swapped_gate_up_fails_lora_coverage(tiny_model_dir, tmp_path) -> None:
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
     from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
 
     registry = load_registry()
     good = registry.get("qwen3")
@@ -56,7 +57,7 @@ def test_swapped_gate_up_fails_lora_coverage(tiny_model_dir, tmp_path) -> None:
         workdir=tmp_path,
         tiny=True,
     )
-    report = run_checks(ctx, plan([s.stage for s in registry.stages], ["lora_coverage"]))
+    report = run_checks(ctx, plan(load_stages(registry).classes(), ["lora_coverage"]))
     results = {r.stage: r for r in report.results}
     assert results["hf_parity"].status is Status.PASS
     coverage = results["lora_coverage"]

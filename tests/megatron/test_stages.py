@@ -107,7 +107,7 @@ def test_lora_gradients(megatron_report, handler: str) -> None:
 
 def test_lora_gradients_catches_a_detached_lora_input(tmp_path) -> None:
     """A LoRA branch fed x.detach() computes the same loss; only the gradient comparison sees it."""
-    from model_support.plugins.pytest_plugin import CheckRequest, run_check
+    from model_support.validation.pytest_plugin import CheckRequest, run_check
     from model_support.validation.selftest import injected
 
     with injected("lora-input-detached"):

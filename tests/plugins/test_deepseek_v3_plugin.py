@@ -26,7 +26,7 @@ NO_MLA_LORA = "merged-only: vLLM applies no LoRA to MLA's kv_b_proj"
 
 def test_check_tiny_on_deepseek_v3_runs_every_stage(default_check):
     from model_support.core.serving.runtime import load_runtime
-    from model_support.core.serving.session import CPU_MOE_RELOAD_GAP, backend
+    from model_support.validation.serving_session import CPU_MOE_RELOAD_GAP, backend
 
     check = default_check(PLUGIN)
     assert check.returncode == 0, check.output

@@ -10,7 +10,14 @@ import pytest
 from typer.testing import CliRunner
 
 from model_support.core.cli import app
-from model_support.plugins.reference_docs import PAGES, _parameters, _tolerances, cli_page, handlers_page, stages_page
+from model_support.validation.reference_docs import (
+    _parameters,
+    _tolerances,
+    cli_page,
+    handlers_page,
+    pages,
+    stages_page,
+)
 from model_support.validation.stage import Stage
 
 ROOT = Path(__file__).parents[2]
@@ -18,10 +25,10 @@ DOCS = ROOT / "docs"
 EXTRA_STAGE = Path(__file__).parent / "fixtures" / "ms-extra-stage"
 
 
-@pytest.mark.parametrize("page", sorted(PAGES))
+@pytest.mark.parametrize("page", sorted(pages(app)))
 def test_generated_reference_is_current(page: str):
     on_disk = (DOCS / page).read_text().splitlines()
-    current = PAGES[page]().splitlines()
+    current = pages(app)[page]().splitlines()
     if on_disk != current:
         line = next((i for i, (a, b) in enumerate(zip(on_disk, current, strict=False)) if a != b), len(on_disk))
         pytest.fail(f"docs/{page} is stale from line {line + 1}: run `model-support docs` from the repository root")
@@ -29,15 +36,16 @@ def test_generated_reference_is_current(page: str):
 
 def test_pages_cover_every_registered_stage_handler_and_command():
     from model_support.core.registry import load_registry
+    from model_support.validation.stage_registry import load_stages
 
     registry = load_registry(env={"MODEL_SUPPORT_PLUGINS": "builtin"})
     stages = stages_page()
-    for entry in registry.stages:
+    for entry in load_stages(registry).stages:
         assert f"## {entry.stage.name}\n\n**Proves:** {entry.stage.title}" in stages
     handlers = handlers_page()
     for name, entry in registry.handlers.items():
         assert f"### `{name}`\n\n{entry.spec.description}" in handlers
-    commands = re.findall(r"^## `model-support ([\w-]+)`$", cli_page(), flags=re.M)
+    commands = re.findall(r"^## `model-support ([\w-]+)`$", cli_page(app), flags=re.M)
     assert commands[:5] == ["list", "show", "stages", "tiny", "check"]
     assert {"new-handler", "docs"} <= set(commands)
 

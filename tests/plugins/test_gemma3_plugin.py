@@ -88,6 +88,7 @@ def _run(site: Path, model_dir: Path, workdir: Path, monkeypatch: pytest.MonkeyP
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
     from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
 
     registry = load_registry()
     good = registry.for_architecture("Gemma3ForCausalLM")
@@ -97,7 +98,7 @@ def _run(site: Path, model_dir: Path, workdir: Path, monkeypatch: pytest.MonkeyP
         target="broken-gemma3", model_dir=model_dir, handler=broken, config=config,
         layout=broken.spec.layout(config), registry=registry, workdir=workdir, tiny=True,
     )  # fmt: skip
-    report = run_checks(ctx, plan([s.stage for s in registry.stages], [stage]))
+    report = run_checks(ctx, plan(load_stages(registry).classes(), [stage]))
     return {r.stage: r for r in report.results}
 
 

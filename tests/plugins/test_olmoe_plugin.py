@@ -15,7 +15,7 @@ SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout",
 
 def test_check_tiny_on_olmoe(default_check):
     from model_support.core.serving.backend import get_backend
-    from model_support.core.serving.session import CPU_MOE_LORA_GAP, CPU_MOE_RELOAD_GAP
+    from model_support.validation.serving_session import CPU_MOE_LORA_GAP, CPU_MOE_RELOAD_GAP
 
     check = default_check(OLMOE_PLUGIN)
     assert check.returncode == 0, check.output

@@ -14,6 +14,7 @@ import pytest
 from model_support.core.registry import load_registry
 from model_support.handlers.configs import CONFIGS
 from model_support.validation.runner import plan
+from model_support.validation.stage_registry import load_stages
 
 EXTRA_STAGE = Path(__file__).parent / "fixtures" / "ms-extra-stage"
 
@@ -86,9 +87,9 @@ def test_one_test_per_registered_stage_per_target_including_third_party_stages(
     assert result.returncode == 0, result.stdout + result.stderr
     collected = [line.split("::")[1] for line in result.stdout.splitlines() if "::test_stage[" in line]
     # The stages come from the registry that the installed plugins build, not from a list in the pytest plugin.
-    builtin = {s.stage.name for s in load_registry().stages}
+    builtin = {s.stage.name for s in load_stages(load_registry()).stages}
     monkeypatch.syspath_prepend(str(site))
-    stages = [s.name for s in plan([s.stage for s in load_registry().stages])]
+    stages = [s.name for s in plan(load_stages(load_registry()).classes())]
     assert set(stages) == builtin | {"chat_turn"}
     assert collected == [f"test_stage[{label}-{stage}]" for label in ("qwen3", "moe.qwen3") for stage in stages]
 

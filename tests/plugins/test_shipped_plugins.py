@@ -19,12 +19,13 @@ VLLM_SKIPS = ("the CPU vLLM build", "merged-only: vLLM ", "vLLM renders ")
 def _default_stages() -> list[str]:
     from model_support.core.registry import load_registry
     from model_support.validation.runner import plan
+    from model_support.validation.stage_registry import load_stages
 
-    return [s.name for s in plan([s.stage for s in load_registry().stages], None)]
+    return [s.name for s in plan(load_stages(load_registry()).classes(), None)]
 
 
 def _vllm_skip(summary: str) -> bool:
-    from model_support.core.serving.session import backend
+    from model_support.validation.serving_session import backend
 
     return summary.startswith(VLLM_SKIPS) or summary == backend().unavailable_reason()
 

@@ -10,7 +10,7 @@ import torch
 
 from model_support.core import api
 from model_support.core.serving.vllm_backend import VllmServer
-from model_support.plugins.pytest_plugin import CheckRequest, run_check
+from model_support.validation.pytest_plugin import CheckRequest, run_check
 from tests.megatron.conftest import require_megatron
 
 SLICED = "model.layers.0.self_attn.q_proj.weight"

@@ -136,7 +136,7 @@ class ArchitectureStage(Stage):
         if unavailable:
             return [], f"{' and '.join(asked)} not checked against the built model: {unavailable}"
         from model_support.core.megatron.builder import UnimplementedFeatureError
-        from model_support.core.megatron.session import megatron_model
+        from model_support.validation.megatron_session import megatron_model
 
         try:
             megatron_model(ctx)

@@ -38,14 +38,14 @@ class ChatTemplateRolloutStage(Stage):
 
     def prepare(self, ctx: CheckContext) -> None:
         ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
-        from model_support.core.serving.session import prestart_policy
+        from model_support.validation.serving_session import prestart_policy
 
         prestart_policy(ctx)
 
     def run(self, ctx: CheckContext) -> StageResult:
         import torch
 
-        from model_support.core.serving import session
+        from model_support.validation import serving_session as session
 
         tokenizer = ctx.tokenizer()
         if not tokenizer.chat_template:

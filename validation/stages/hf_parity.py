@@ -34,7 +34,13 @@ class HfParityStage(Stage):
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.megatron.compare import tolerance_note
-        from model_support.core.megatron.session import LOWP_KEY, hf_reference, long_row, megatron_model, random_tokens
+        from model_support.validation.megatron_session import (
+            LOWP_KEY,
+            hf_reference,
+            long_row,
+            megatron_model,
+            random_tokens,
+        )
         from model_support.validation.reference_rows import compare_with_reference
 
         built = megatron_model(ctx)

@@ -86,7 +86,7 @@ class LoraCoverageStage(Stage):
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
-        from model_support.core.megatron.session import (
+        from model_support.validation.megatron_session import (
             ADAPTER_KEY,
             long_row,
             megatron_model,
@@ -206,7 +206,7 @@ class LoraCoverageStage(Stage):
         routing: a near tie that such a sum flips would otherwise move whole tokens to other experts."""
         from model_support.core.megatron.compare import closeness, same_model_tolerances
         from model_support.core.megatron.forward import logits
-        from model_support.core.megatron.session import LOWP_KEY, megatron_lora, training_model
+        from model_support.validation.megatron_session import LOWP_KEY, megatron_lora, training_model
         from model_support.validation.row_runs import routing_of
 
         model = training_model(ctx)
@@ -238,7 +238,7 @@ class LoraCoverageStage(Stage):
         (the innermost) are named."""
         from model_support.core.megatron.compare import closeness, same_model_tolerances
         from model_support.core.megatron.forward import logits
-        from model_support.core.megatron.session import LOWP_KEY
+        from model_support.validation.megatron_session import LOWP_KEY
         from model_support.validation.row_runs import routing_of
 
         dtype = next(model.parameters()).dtype

@@ -137,7 +137,7 @@ def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Te
     from model_support.core import api
     from model_support.core.megatron.compare import replayed_routing
     from model_support.core.megatron.lora import lora_modules
-    from model_support.core.megatron.session import training_model
+    from model_support.validation.megatron_session import training_model
 
     trainer = training_model(ctx)
     model = trainer.module
@@ -234,7 +234,7 @@ class LoraGradientsStage(Stage):
         from model_support.core.megatron.dist import device
         from model_support.core.megatron.hf_reference import adapter_deltas, whole_reference
         from model_support.core.megatron.lora import lora_state
-        from model_support.core.megatron.session import long_row, random_tokens, training_model, with_random_lora
+        from model_support.validation.megatron_session import long_row, random_tokens, training_model, with_random_lora
         from model_support.validation.stages.lora_coverage import logits_without_lora
 
         built = with_random_lora(ctx, offset=ADAPTER_SEED)

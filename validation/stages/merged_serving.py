@@ -58,7 +58,7 @@ def calibrated_tolerance(
     import torch
 
     from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR
-    from model_support.core.serving import session
+    from model_support.validation import serving_session as session
 
     floor = logprob_tolerance(dtype)
     if dtype == "float32":
@@ -100,12 +100,12 @@ class MergedServingStage(Stage):
     prompts, prompt_len = 2, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
-        from model_support.core.serving.session import backend
+        from model_support.validation.serving_session import backend
 
         return backend().unavailable_reason()
 
     def prepare(self, ctx: CheckContext) -> None:
-        from model_support.core.serving.session import prestart_policy
+        from model_support.validation.serving_session import prestart_policy
 
         prestart_policy(ctx)
 
@@ -113,7 +113,7 @@ class MergedServingStage(Stage):
         import torch
         from packaging.version import Version
 
-        from model_support.core.serving import session
+        from model_support.validation import serving_session as session
 
         version = session.backend().version()
         for floor in ctx.spec.dependencies:

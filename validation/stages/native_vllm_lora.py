@@ -72,17 +72,17 @@ class NativeVllmLoraStage(Stage):
     prompts, prompt_len = 1, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
-        from model_support.core.serving.session import backend
+        from model_support.validation.serving_session import backend
 
         return backend().unavailable_reason()
 
     def prepare(self, ctx: CheckContext) -> None:
-        from model_support.core.serving.session import prestart_native_lora
+        from model_support.validation.serving_session import prestart_native_lora
 
         prestart_native_lora(ctx)
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core.serving.session import backend, lora_gap, serving_workdir
+        from model_support.validation.serving_session import backend, lora_gap, serving_workdir
 
         declared = ctx.spec.vllm_lora
         arch = ctx.config.architectures[0]
@@ -112,7 +112,7 @@ class NativeVllmLoraStage(Stage):
         import torch
 
         from model_support.core import timing
-        from model_support.core.serving import session
+        from model_support.validation import serving_session as session
 
         adapter, origin = session.policy_adapter(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)

@@ -44,7 +44,7 @@ class PackedPositionIdsStage(Stage):
             same_model_tolerances,
             worst_closeness,
         )
-        from model_support.core.megatron.session import LOWP_KEY, long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import LOWP_KEY, long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=2)

@@ -95,13 +95,13 @@ class RlTrainabilityStage(Stage):
     def modes(ctx: CheckContext) -> list[str]:
         """ "lora" (the adapter hot-swapped) where the run's server serves the handler's LoRA natively, "merged"
         (weights pushed in place) where the build takes them in place."""
-        from model_support.core.serving.session import inplace_gap, lora_gap
+        from model_support.validation.serving_session import inplace_gap, lora_gap
 
         lora = ["lora"] if ctx.spec.vllm_lora.native and lora_gap(ctx) is None else []
         return lora + (["merged"] if inplace_gap(ctx) is None else [])
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
-        from model_support.core.serving.session import backend, inplace_gap
+        from model_support.validation.serving_session import backend, inplace_gap
 
         unavailable = backend().unavailable_reason()
         if unavailable is not None:
@@ -112,15 +112,15 @@ class RlTrainabilityStage(Stage):
         return None
 
     def prepare(self, ctx: CheckContext) -> None:
-        from model_support.core.serving.session import start_server
+        from model_support.validation.serving_session import start_server
 
         ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
         start_server(ctx)
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.layout import text_config
-        from model_support.core.megatron.session import megatron_lora, training_model
-        from model_support.core.serving import session
+        from model_support.validation import serving_session as session
+        from model_support.validation.megatron_session import megatron_lora, training_model
 
         tokenizer = ctx.tokenizer()
         try:

@@ -44,7 +44,7 @@ class SharedPrefixStage(Stage):
             worst_closeness,
         )
         from model_support.core.megatron.rows import RowLayout
-        from model_support.core.megatron.session import LOWP_KEY, long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import LOWP_KEY, long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=3)
@@ -131,7 +131,7 @@ class SharedPrefixStage(Stage):
         closeness), MoE routers replaying the routing the comparison above replays."""
         from model_support.core import api
         from model_support.core.megatron.compare import closeness, replayed_routing
-        from model_support.core.megatron.session import training_model
+        from model_support.validation.megatron_session import training_model
 
         model, size = training_model(ctx), prompt.shape[1]
         tokens, rows = prompt[0].tolist(), [c[0].tolist() for c in completions]

@@ -53,12 +53,12 @@ class TrainInferenceMismatchStage(Stage):
     prompts, prompt_len, max_tokens = 2, 8, 16  # and one long prompt (session.random_prompts)
 
     def prepare(self, ctx: CheckContext) -> None:
-        from model_support.core.serving.session import prestart_policy
+        from model_support.validation.serving_session import prestart_policy
 
         prestart_policy(ctx)
 
     def run(self, ctx: CheckContext) -> StageResult:
-        from model_support.core.serving import session
+        from model_support.validation import serving_session as session
 
         adapter, origin = session.policy_adapter(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)

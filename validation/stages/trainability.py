@@ -49,7 +49,7 @@ class TrainabilityStage(Stage):
         from model_support.core.layout import text_config
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.lora import lora_modules
-        from model_support.core.megatron.session import megatron_lora, megatron_model
+        from model_support.validation.megatron_session import megatron_lora, megatron_model
 
         model = megatron_model(ctx).model
         megatron_lora(ctx)

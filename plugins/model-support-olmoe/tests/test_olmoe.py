@@ -67,6 +67,7 @@ def test_the_q_k_norm_split_over_two_ranks_is_olmoes_norm_over_the_whole_project
 def _architecture(spec, model_dir: Path, tmp_path: Path):
     from model_support.validation.context import CheckContext
     from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
 
     registry = load_registry()
     handler = dataclasses.replace(registry.get("olmoe"), spec=spec)
@@ -75,7 +76,7 @@ def _architecture(spec, model_dir: Path, tmp_path: Path):
         target="broken-olmoe", model_dir=model_dir, handler=handler, config=config,
         layout=spec.layout(config), registry=registry, workdir=tmp_path, tiny=True,
     )  # fmt: skip
-    report = run_checks(ctx, plan([s.stage for s in registry.stages], ["architecture"]))
+    report = run_checks(ctx, plan(load_stages(registry).classes(), ["architecture"]))
     return {r.stage: r for r in report.results}["architecture"]
 
 

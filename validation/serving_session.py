@@ -22,15 +22,15 @@ import torch
 
 from model_support.core import api, timing
 from model_support.core.codecs import load_peft_adapter
-from model_support.core.megatron.session import LORA_RANK, megatron_lora, training_model
 from model_support.core.serving.backend import Server, ServingBackend, get_backend
 from model_support.core.serving.export import base_tensors, buckets
 from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.validate import TargetCoverageError, adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import LORA_RANK, megatron_lora, training_model
 
-MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (core.megatron.session.ADAPTER_KEY)
+MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (megatron_session.ADAPTER_KEY)
 ADAPTER_KEY = "serving.adapter_dir"
 SERVER_KEY = "serving.server"
 SERVED_KEY = "serving.served"  # "base", "policy" or "rl": the weights the server holds now
@@ -230,7 +230,7 @@ def trainer_logprobs(
     """Per-position log-softmax of the transformers policy (base + adapter merged; fp32 unless ``dtype`` says) for
     each sequence."""
     from model_support.core.megatron.hf_reference import adapter_deltas
-    from model_support.core.megatron.session import hf_reference
+    from model_support.validation.megatron_session import hf_reference
 
     reference, deltas = hf_reference(ctx, dtype), adapter_deltas(adapter)
     by_length: dict[int, list[int]] = {}

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from model_support.core.registry import Registry
     from model_support.validation.runner import Report
     from model_support.validation.stage import StageResult
+    from model_support.validation.stage_registry import StageRegistry
 
 MARKER = "model_support"
 TARGETS_INI = "model_support_targets"
@@ -67,16 +68,16 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     stages' artifacts.
     """
     from model_support.core import api
-    from model_support.core.cli import source_for
-    from model_support.core.discovery import load_config, locate
+    from model_support.core.discovery import load_config, locate, source_for
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
     from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
 
     registry = registry or load_registry(prefer=dict(request.prefer))
     source = source_for(request.target, registry, request.tiny)
     handler = api.resolve(source, registry=registry)
-    stages = plan([s.stage for s in registry.stages], list(request.stages) or None)
+    stages = plan(load_stages(registry).classes(), list(request.stages) or None)
     workdir.mkdir(parents=True, exist_ok=True)
     if request.tiny:
         from model_support.core.tiny import build_tiny
@@ -129,6 +130,7 @@ class Harness:
     default_stages: tuple[str, ...]
     runs: dict[CheckRequest, Report | str] = field(default_factory=dict)
     _registry: Registry | None = None
+    _stages: StageRegistry | None = None
 
     @property
     def registry(self) -> Registry:
@@ -137,6 +139,15 @@ class Harness:
 
             self._registry = load_registry()
         return self._registry
+
+    @property
+    def stages(self) -> StageRegistry:
+        """The stages of :attr:`registry`'s plugins."""
+        if self._stages is None:
+            from model_support.validation.stage_registry import load_stages
+
+            self._stages = load_stages(self.registry)
+        return self._stages
 
     def request(
         self,
@@ -157,7 +168,7 @@ class Harness:
         """The stage names a run of ``request`` reports, in pipeline order."""
         from model_support.validation.runner import plan
 
-        return [s.name for s in plan([s.stage for s in self.registry.stages], list(request.stages) or None)]
+        return [s.name for s in plan(self.stages.classes(), list(request.stages) or None)]
 
     def run(self, request: CheckRequest, tmp: pytest.TempPathFactory) -> Report:
         """The report of ``request``; fails the calling test when the target cannot be checked at all."""
@@ -184,7 +195,7 @@ class Harness:
         return outcome
 
     def failure_message(self, report: Report) -> str:
-        return report_text(report, self.registry.problems)
+        return report_text(report, [*self.registry.problems, *self.stages.problems])
 
 
 _HARNESS = pytest.StashKey[Harness]()

@@ -2,9 +2,10 @@
 
 ``docs/handlers.md`` comes from the ``HandlerSpec`` fields and the built-in handler declarations,
 ``docs/stages.md`` from the registered stages (name, title, order, requires, packages, docstrings
-and declared tolerances) and ``docs/cli.md`` from the command line itself. Only the project's own
-plugin is loaded, so installed third-party plugins do not change the pages. ``--check`` fails when
-a page on disk differs from what would be generated (CI and tests use it).
+and declared tolerances) and ``docs/cli.md`` from the command line itself, whose Typer app the command line
+passes in (this module does not import it). Only the project's own plugin is loaded, so installed third-party
+plugins do not change the pages. ``--check`` fails when a page on disk differs from what would be generated (CI and
+tests use it).
 """
 
 from __future__ import annotations
@@ -208,9 +209,9 @@ def stages_page() -> str:
     from model_support.core.registry import load_registry
     from model_support.validation.runner import plan
     from model_support.validation.stage import Stage
+    from model_support.validation.stage_registry import load_stages
 
-    registry = load_registry(env=BUILTIN_ONLY)
-    stages = plan([s.stage for s in registry.stages])
+    stages = plan(load_stages(load_registry(env=BUILTIN_ONLY)).classes())
     lines = [
         GENERATED,
         "",
@@ -364,10 +365,8 @@ REFUSED = [
 ]
 
 
-def cli_page() -> str:
-    """docs/cli.md: every command, its arguments and options, from the Typer app."""
-    from model_support.core.cli import app
-
+def cli_page(app: typer.Typer) -> str:
+    """docs/cli.md: every command, its arguments and options, from the command line's Typer ``app``."""
     root = typer.main.get_command(app)
     lines = [GENERATED, "", "# Command line reference", "", root.help or "", ""]
     lines += [
@@ -387,31 +386,41 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
-PAGES: dict[str, Callable[[], str]] = {"handlers.md": handlers_page, "stages.md": stages_page, "cli.md": cli_page}
+def pages(app: typer.Typer) -> dict[str, Callable[[], str]]:
+    """Each generated page's file name and its renderer; ``app``: the command line's Typer app (docs/cli.md)."""
+    return {"handlers.md": handlers_page, "stages.md": stages_page, "cli.md": lambda: cli_page(app)}
 
 
-def stale_pages(out: Path) -> list[str]:
+def stale_pages(out: Path, app: typer.Typer) -> list[str]:
     """The generated pages under ``out`` that differ from what would be generated now."""
     return [
-        name for name, render in PAGES.items() if not (out / name).is_file() or (out / name).read_text() != render()
+        name
+        for name, render in pages(app).items()
+        if not (out / name).is_file() or (out / name).read_text() != render()
     ]
 
 
-def docs(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory of the generated pages.")] = Path("docs"),
-    check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 when a page is stale.")] = False,
-) -> None:
-    """Generate the reference pages (handlers, stages, CLI) from what is registered."""
-    if check:
-        stale = stale_pages(out)
-        if stale:
-            typer.echo(
-                f"stale: {', '.join(str(out / n) for n in stale)}; run `model-support docs --out {out}`", err=True
-            )
-            raise typer.Exit(1)
-        typer.echo(f"{len(PAGES)} pages up to date in {out}")
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, render in PAGES.items():
-        (out / name).write_text(render())
-        typer.echo(f"wrote {out / name}")
+def docs_command(app: typer.Typer) -> Callable[..., None]:
+    """The ``docs`` command of the command line ``app``, which it documents in docs/cli.md."""
+
+    def docs(
+        out: Annotated[Path, typer.Option("--out", "-o", help="Directory of the generated pages.")] = Path("docs"),
+        check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 when a page is stale.")] = False,
+    ) -> None:
+        """Generate the reference pages (handlers, stages, CLI) from what is registered."""
+        rendered = pages(app)
+        if check:
+            stale = stale_pages(out, app)
+            if stale:
+                typer.echo(
+                    f"stale: {', '.join(str(out / n) for n in stale)}; run `model-support docs --out {out}`", err=True
+                )
+                raise typer.Exit(1)
+            typer.echo(f"{len(rendered)} pages up to date in {out}")
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        for name, render in rendered.items():
+            (out / name).write_text(render())
+            typer.echo(f"wrote {out / name}")
+
+    return docs

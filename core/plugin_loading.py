@@ -1,4 +1,5 @@
-"""Loads plugins from the ``model_support`` entry-point group into a pluggy plugin manager.
+"""Loads plugins from the ``model_support`` entry-point group into a pluggy plugin manager (the core's hook
+specifications, :mod:`model_support.core.hooks`, added; a higher layer adds its own before it calls them).
 
 A plugin that fails to import, or whose module is not a valid plugin, is recorded as broken and
 skipped; the others keep working. ``MODEL_SUPPORT_PLUGINS`` (comma-separated entry-point names)
@@ -17,11 +18,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Any
 
 import pluggy
 
+from model_support.core import hooks
 from model_support.core.errors import ModelSupportError
-from model_support.plugins import hookspecs
 
 PLUGINS_ENV = "MODEL_SUPPORT_PLUGINS"
 SLOW_IMPORT_S = 3.0
@@ -57,6 +59,25 @@ class LoadedPlugins:
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     broken: list[BrokenPlugin] = field(default_factory=list)
     filtered_out: list[str] = field(default_factory=list)
+
+
+def hook_results(plugin: PluginInfo, function: Any, what: str, problems: list[str]) -> list[Any] | None:
+    """Call one plugin's implementation of a hook that returns a list (``what`` names the call in a problem); None,
+    with a line appended to ``problems``, when it raised or returned something else than a list or tuple."""
+    try:
+        result = function()
+    except Exception as exc:
+        problems.append(
+            f"plugin {plugin.name!r} ({plugin.distribution}) skipped: {what} raised {type(exc).__name__}: {exc}"
+        )
+        return None
+    if not isinstance(result, list | tuple):
+        problems.append(
+            f"plugin {plugin.name!r} ({plugin.distribution}) skipped: {what} returned "
+            f"{type(result).__name__}, expected a list"
+        )
+        return None
+    return list(result)
 
 
 def allowed_plugins(env: dict[str, str] | None = None) -> set[str] | None:
@@ -111,12 +132,12 @@ def load_plugins(
 
     ``notice`` gets the line naming a plugin whose import is still running after ``slow_after_s`` seconds.
     """
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
-    manager.add_hookspecs(hookspecs)
+    manager = pluggy.PluginManager(hooks.PROJECT)
+    manager.add_hookspecs(hooks)
     loaded = LoadedPlugins(manager=manager)
     allowed = allowed_plugins(env)
     seen: set[str] = set()
-    for ep in sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for ep in sorted(metadata.entry_points(group=hooks.ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist_name, version = _distribution(ep)
         if ep.name in seen:
             # The same distribution can be visible twice (e.g. an editable and a regular install).
@@ -137,6 +158,6 @@ def load_plugins(
     if unknown:
         raise PluginControlError(
             f"{PLUGINS_ENV} names {', '.join(unknown)}, which no installed plugin is; installed plugins: "
-            f"{', '.join(sorted(seen)) or 'none'} (entry-point names of group {hookspecs.ENTRY_POINT_GROUP!r})"
+            f"{', '.join(sorted(seen)) or 'none'} (entry-point names of group {hooks.ENTRY_POINT_GROUP!r})"
         )
     return loaded

@@ -1,0 +1,81 @@
+"""Runs ``model-support selftest``: the clean runs, then each mutation of :mod:`model_support.validation.selftest`'s
+catalogue injected, each through an in-process ``check --tiny`` of the stage that must catch it.
+
+Apart from the catalogue because the stages read which mutation is injected (``selftest.active_mutation``) and this
+runs the stages: the catalogue stays below the stages, the runner above them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model_support.core.errors import ModelSupportError
+from model_support.validation import selftest
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A mutation's (or a clean run's) result: ``ok`` when the stage failed under the bug (passed when clean)."""
+
+    name: str
+    bug: str
+    handler: str
+    stage: str
+    status: str
+    summary: str
+    ok: bool
+
+
+def _stage_result(handler: str, stage: str, workdir: Path) -> Any:
+    from model_support.validation.pytest_plugin import CheckRequest, run_check
+
+    report = run_check(CheckRequest(target=handler, tiny=True, stages=(stage,)), workdir)
+    return next(r for r in report.results if r.stage == stage)
+
+
+def run_selftest(
+    workdir: Path, names: Sequence[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None
+) -> list[Outcome]:
+    """Clean runs, then every selected mutation (all when ``names`` is empty), in catalogue order."""
+    from model_support.validation.serving_session import backend
+
+    chosen = [m for m in selftest.MUTATIONS if not names or m.name in names]
+    unknown = sorted(set(names or ()) - {m.name for m in selftest.MUTATIONS})
+    if unknown:
+        raise ModelSupportError(
+            f"unknown mutation(s) {', '.join(unknown)}; known: {', '.join(m.name for m in selftest.MUTATIONS)}"
+        )
+    no_server = backend().unavailable_reason()
+    outcomes: list[Outcome] = []
+
+    def record(outcome: Outcome) -> None:
+        outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+
+    runnable = [m for m in chosen if not (m.needs_server and no_server)]
+    for handler, stage in dict.fromkeys((m.handler, m.stage) for m in runnable):
+        result = _stage_result(handler, stage, workdir / f"clean-{handler}-{stage}")
+        ok = result.status == "pass"
+        record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, ok))
+    for m in chosen:
+        if m.needs_server and no_server:
+            record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
+            continue
+        with selftest.injected(m.name):
+            result = _stage_result(m.handler, m.stage, workdir / m.name)
+        record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
+    return outcomes
+
+
+def markdown_table(outcomes: Sequence[Outcome]) -> str:
+    """The outcomes as a Markdown table (the one docs/stages.md carries)."""
+    lines = ["| mutation | bug | handler | must fail | result | caught |", "| --- | --- | --- | --- | --- | --- |"]
+    for o in outcomes:
+        verdict = ("passed (clean)" if o.ok else "FAILED (clean)") if o.name == "clean" else ("yes" if o.ok else "NO")
+        summary = o.summary.replace("|", "\\|")
+        lines.append(f"| {o.name} | {o.bug} | {o.handler} | {o.stage} | {o.status}: {summary} | {verdict} |")
+    return "\n".join(lines) + "\n"
