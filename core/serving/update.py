@@ -12,9 +12,9 @@ Two transports, chosen by ``ServeOptions.weight_transfer``:
 
 - ``"stream"``: vLLM's weight-transfer routes (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) with the project's local engine (``vllm_ext/ms_weights.py``): every tensor's name,
-  dtype and shape is announced first, then each bucket is written to a file in memory (``/dev/shm`` where there is
-  one) and handed over as soon as it is produced, at most two buckets in flight; the worker applies the step after
-  the last (``is_last``), all or nothing. No checkpoint is written.
+  dtype and shape is announced first, then each bucket is written to a file in memory (``/dev/shm`` while it has
+  room, else the staging directory) and handed over as soon as it is produced, at most two buckets in flight; the
+  worker applies the step after the last (``is_last``), all or nothing. No checkpoint is written.
 - ``"files"``: each bucket is written to the step's staging checkpoint, published atomically and loaded by the
   worker's ``reload_weights`` (``/collective_rpc``); the previous step's checkpoint is removed once the new one is
   loaded, so the disk holds one step at a time.
@@ -44,6 +44,7 @@ _TORCH_DTYPE = {
     "BOOL": "bool",
 }  # fmt: skip
 IN_FLIGHT = 2  # buckets written and not yet taken by the server
+SHM_MARGIN = 64 * 1024**2  # left free in /dev/shm for whoever else uses it
 
 
 def served_name(model: str, step: int) -> str:
@@ -62,6 +63,15 @@ def memory_dir() -> Path | None:
     """A directory in memory (tmpfs) for streamed buckets, or ``None`` where there is none."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def bucket_root(nbytes: int, fallback: Path) -> Path:
+    """Where a streamed bucket of ``nbytes`` is written: the memory directory while it has room for it (a container's
+    /dev/shm is often 64 MiB), else ``fallback`` on disk (still one bucket file at a time, never a checkpoint)."""
+    shm = memory_dir()
+    if shm is not None and shutil.disk_usage(shm).free >= nbytes + SHM_MARGIN:
+        return shm
+    return fallback
 
 
 class UpdatableServer(Protocol):
@@ -170,9 +180,15 @@ class WeightUpdater:
         from safetensors.torch import save_file
 
         expected = self.expected()
-        root = memory_dir() or self.staging_root
-        root.mkdir(parents=True, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix="push-", dir=root))
+        workdirs: dict[Path, Path] = {}  # bucket root -> this push's directory there, made on first use
+
+        def bucket_path(index: int, nbytes: int) -> Path:
+            root = bucket_root(nbytes, self.staging_root)
+            if root not in workdirs:
+                root.mkdir(parents=True, exist_ok=True)
+                workdirs[root] = Path(tempfile.mkdtemp(prefix="push-", dir=root))
+            return workdirs[root] / f"bucket-{index}.safetensors"
+
         slots = threading.Semaphore(IN_FLIGHT)
         handoff: queue.Queue[tuple[Path, bool] | None] = queue.Queue()
         failures: list[BaseException] = []
@@ -223,7 +239,7 @@ class WeightUpdater:
                 if failures:
                     slots.release()
                     break
-                path = workdir / f"bucket-{index}.safetensors"
+                path = bucket_path(index, sum(t.numel() * t.element_size() for t in bucket.values()))
                 save_file({name: tensor.detach().cpu().contiguous() for name, tensor in bucket.items()}, str(path))
                 with lock:
                     in_flight[0] += 1
@@ -237,7 +253,8 @@ class WeightUpdater:
             handoff.put(None)
             if thread.is_alive():
                 thread.join()
-            shutil.rmtree(workdir, ignore_errors=True)
+            for workdir in workdirs.values():
+                shutil.rmtree(workdir, ignore_errors=True)
             if not applied.is_set():
                 self._abort()
         if failures:
