@@ -244,6 +244,18 @@ def _served_q_halves_swapped() -> AbstractContextManager[Any]:
     return _pushed_weights(lambda b: {**b, _Q: torch.cat(b[_Q].chunk(2)[::-1])} if _Q in b else b)
 
 
+def _weight_version_kept() -> AbstractContextManager[Any]:
+    """A push applies its weights but leaves the server's weight version, which sampled tokens report, as it was."""
+    from model_support.core.serving.update import WeightUpdater
+
+    swap = WeightUpdater._swap
+
+    def kept(self: WeightUpdater, apply: Any, finish: Any) -> None:
+        swap(self, apply, lambda version: finish(None))
+
+    return mock.patch.object(WeightUpdater, "_swap", kept)
+
+
 def _export_drops_a_tensor() -> AbstractContextManager[Any]:
     return _pushed_weights(lambda b: {k: v for k, v in b.items() if k != _Q})
 
@@ -502,6 +514,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              _gdn_q_k_swapped),
     Mutation("served-q-halves-swapped", "pushed weights: layer 0's query heads in the wrong order", "qwen3",
              "rl_trainability", _served_q_halves_swapped, needs_server=True),
+    Mutation("weight-version-kept", "a push applies its weights but does not advance the server's weight version",
+             "qwen3", "rl_trainability", _weight_version_kept, needs_server=True),
     Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
              "merged_serving", _export_drops_a_tensor, needs_server=True),
     Mutation("lora-tp-all-reduce-missing", "row-parallel LoRA skips its tensor-parallel all-reduce", "qwen3",

@@ -199,10 +199,10 @@ class VllmServer:
         self.request("/v1/unload_lora_adapter", {"lora_name": name})
 
     def reload_weights(self, weights_dir: Path) -> None:
-        """Load a complete checkpoint into the live model in place (vLLM's worker ``reload_weights``)."""
+        """Load a complete checkpoint into the live model in place (vLLM's worker ``reload_weights``). The prefix
+        cache still holds what the old weights computed: :meth:`update_weights` resets it (running requests too)."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         self.request("/collective_rpc", body)
-        self.request("/reset_prefix_cache", {})
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
         """Apply one step of HF-named weights in place after the last bucket, pausing generation only for the swap;
