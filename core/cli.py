@@ -227,6 +227,14 @@ def check(
     stage: Annotated[
         list[str] | None, typer.Option("--stage", "-s", help="Run only this stage and its prerequisites.")
     ] = None,
+    alone: Annotated[
+        bool,
+        typer.Option(
+            "--alone",
+            help="Run the --stage stages without their prerequisites: what they need is built on first use, the "
+            "prerequisites' verdicts are not checked.",
+        ),
+    ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
     markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Write the report as Markdown.")] = None,
     junit_out: Annotated[Path | None, typer.Option("--junit", help="Write the report as JUnit XML.")] = None,
@@ -273,7 +281,9 @@ def check(
     source = source_for(target, registry, tiny)
     _check_preferred(prefer, registry, source)
     handler = api.resolve(source, registry=registry)
-    stages_to_run = plan(registered.classes(), stage)
+    if alone and not stage:
+        raise ModelSupportError("--alone runs the stages named with --stage, and none is named; add --stage NAME")
+    stages_to_run = plan(registered.classes(), stage, alone=alone)
     if not tiny:
         from model_support.core.checkpoint import stored_tensors
 

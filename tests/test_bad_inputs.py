@@ -444,12 +444,14 @@ def test_a_model_dir_without_tokenizer_files_is_named(tiny_model_dir, tmp_path: 
     """transformers builds an empty tokenizer of the family's class when the files are missing."""
     from model_support.core.errors import ModelSupportError
     from model_support.validation.context import CheckContext
+    from model_support.validation.state import RunState
 
     model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (model_dir / name).unlink()
     ctx = CheckContext.__new__(CheckContext)
-    ctx.model_dir, ctx.artifacts = model_dir, {}
+    ctx.model_dir = model_dir
+    ctx.state = RunState(ctx)
     with pytest.raises(ModelSupportError, match=r"^no tokenizer files in .*: transformers' Qwen2Tokenizer from it has"):
         ctx.tokenizer()
 
@@ -470,12 +472,14 @@ def test_a_chat_template_renders_under_limits(
     from model_support.core.errors import ModelSupportError
     from model_support.validation import context
     from model_support.validation.context import CheckContext
+    from model_support.validation.state import RunState
 
     model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
     (model_dir / "chat_template.jinja").write_text(template)
     monkeypatch.setattr(context, "CHAT_RENDER_LIMIT_S", 20)  # the loops would take hours at any limit
     ctx = CheckContext.__new__(CheckContext)
-    ctx.model_dir, ctx.artifacts = model_dir, {}
+    ctx.model_dir = model_dir
+    ctx.state = RunState(ctx)
     try:
         with pytest.raises(ModelSupportError) as err:
             ctx.chat_prompts([[{"role": "user", "content": "hi"}]])
@@ -486,16 +490,18 @@ def test_a_chat_template_renders_under_limits(
             return
         assert ctx.chat_prompts([[{"role": "user", "content": "hi"}]]) == ["hi!"]
     finally:
-        ctx.chat_renderer().stop()
+        ctx.state.close()
 
 
 def test_a_chat_template_renders_as_the_tokenizer_does(tiny_model_dir) -> None:
     from transformers import AutoTokenizer
 
     from model_support.validation.context import CheckContext
+    from model_support.validation.state import RunState
 
     ctx = CheckContext.__new__(CheckContext)
-    ctx.model_dir, ctx.artifacts = tiny_model_dir("qwen3"), {}
+    ctx.model_dir = tiny_model_dir("qwen3")
+    ctx.state = RunState(ctx)
     chats = [[{"role": "user", "content": "Is fire cold?"}], [{"role": "system", "content": "Be brief."}]]
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
     expected = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
@@ -503,7 +509,7 @@ def test_a_chat_template_renders_as_the_tokenizer_does(tiny_model_dir) -> None:
         assert ctx.chat_prompts(chats) == expected
         assert ctx.chat_prompts(chats[1:]) == expected[1:]  # the same child answers a second request
     finally:
-        ctx.chat_renderer().stop()
+        ctx.state.close()
 
 
 def test_tiny_where_writing_fails_leaves_nothing(tmp_path: Path) -> None:

@@ -68,6 +68,9 @@ def test_check_unknown_stage_and_bad_path_are_one_line_errors(tmp_path):
     bad_stage = run_cli("check", "qwen3", "--tiny", "-s", "nope")
     assert bad_stage.returncode == 2
     assert bad_stage.stderr.startswith("error: unknown stage(s) nope; available: ")
+    alone = run_cli("check", "qwen3", "--tiny", "--alone")
+    assert alone.returncode == 2
+    assert alone.stderr == "error: --alone runs the stages named with --stage, and none is named; add --stage NAME\n"
     handler_without_tiny = run_cli("check", "qwen3.5")
     assert handler_without_tiny.returncode == 2
     assert "'qwen3.5' names a handler, not a model: pass --tiny" in handler_without_tiny.stderr

@@ -14,6 +14,7 @@ from model_support.core.serving.process import ManagedProcess
 from model_support.validation.context import CheckContext
 from model_support.validation.runner import plan, run_checks
 from model_support.validation.stage import Stage, StageResult
+from model_support.validation.state import Resource
 
 
 class FakeClock:
@@ -97,6 +98,10 @@ class Fails(Stage):
         return self.failed("no")
 
 
+JOB: Resource[ManagedProcess] = Resource("job", "a long background job", stop=lambda job: job.stop())
+STARTED: list[ManagedProcess] = []
+
+
 class Prepares(Stage):
     """Starts a long background job in ``prepare``, as parallel_parity starts its job and the serving stages their
     server."""
@@ -105,11 +110,14 @@ class Prepares(Stage):
     title = "Needs fails."
     order = 2
     requires = ("fails",)
+    provides = (JOB,)
 
     def prepare(self, ctx: CheckContext) -> None:
-        command = [sys.executable, "-c", "import time; time.sleep(600)"]
-        ctx.artifacts["job"] = ManagedProcess(Path(sys.executable), command, env={}, log_path=ctx.workdir / "j.log")
-        ctx.artifacts["job"].start()
+        if ctx.state.find(JOB) is None:  # prepare is called again before each stage
+            command = [sys.executable, "-c", "import time; time.sleep(600)"]
+            job = ManagedProcess(Path(sys.executable), command, env={}, log_path=ctx.workdir / "j.log").start()
+            ctx.state.set(JOB, job)
+            STARTED.append(job)
 
     def run(self, ctx: CheckContext) -> StageResult:
         raise AssertionError("must not run: its prerequisite failed")
@@ -118,4 +126,5 @@ class Prepares(Stage):
 def test_background_work_of_a_stage_that_never_runs_is_stopped(ctx: CheckContext) -> None:
     report = run_checks(ctx, plan([Fails, Prepares]))
     assert [r.status.value for r in report.results] == ["fail", "skip"]
-    assert ctx.artifacts["job"].returncode() is not None  # started before the first stage, stopped with the run
+    (job,) = STARTED
+    assert job.returncode() is not None  # started before the first stage, stopped with the run

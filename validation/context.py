@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from model_support.validation.state import Resource, RunState
+
 # Limits of one rendering of the check's conversations by a checkpoint's chat template (CheckContext.chat_prompts).
 CHAT_RENDER_LIMIT_S = 60  # loading the tokenizer included
 CHAT_RENDER_MAX_CHARS = 1_000_000
@@ -29,8 +31,8 @@ class CheckContext:
     """The model under check, its handler, and a place for stages to share what they built.
 
     ``model_dir`` holds config.json, weights and tokenizer (a tiny replica under ``--tiny``).
-    ``artifacts`` lets a stage reuse what an earlier one built (keyed by a documented name),
-    so e.g. the Megatron model is converted once per run.
+    ``state`` holds what the stages build and share (typed resources, ``validation/state.py``), so e.g. the
+    Megatron model is converted once per run.
     """
 
     target: str
@@ -46,51 +48,26 @@ class CheckContext:
     dtype: str | None = None
     # Parallel layouts for `parallel_parity` ("tp2", "tp2-sp", "ep2", ...); None: the stage's default for the model.
     layouts: tuple[str, ...] | None = None
-    artifacts: dict[str, Any] = field(default_factory=dict)
+    state: RunState = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state = RunState(self)
 
     @property
     def spec(self):  # -> HandlerSpec
         return self.handler.spec
 
     def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (loaded once); a one-line error when there is none that loads."""
-        if "tokenizer" not in self.artifacts:
-            from transformers import AutoTokenizer
-
-            from model_support.core.errors import ModelSupportError
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except Exception as exc:  # transformers raises OSError, ValueError or TypeError here
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise ModelSupportError(
-                    f"no usable tokenizer in {self.model_dir} ({type(exc).__name__}: {reason}); add the checkpoint's "
-                    "tokenizer files"
-                ) from None
-            # Without tokenizer files transformers builds the family's tokenizer class with an empty vocabulary.
-            if len(tokenizer) <= len(tokenizer.all_special_ids):
-                raise ModelSupportError(
-                    f"no tokenizer files in {self.model_dir}: transformers' {type(tokenizer).__name__} from it has "
-                    f"{len(tokenizer)} token(s); add the checkpoint's tokenizer files (e.g. tokenizer.json)"
-                )
-            self.artifacts["tokenizer"] = tokenizer
-        return self.artifacts["tokenizer"]
-
-    def chat_renderer(self) -> ChatRenderer:
-        """The check's one chat-template renderer (started on first use, stopped with the run's servers)."""
-        if RENDERER_KEY not in self.artifacts:
-            self.artifacts[RENDERER_KEY] = ChatRenderer(self.model_dir).start()
-        return self.artifacts[RENDERER_KEY]
+        """The checkpoint's tokenizer (the ``tokenizer`` resource: loaded once; a one-line error when none loads)."""
+        return self.state.get(TOKENIZER)
 
     def chat_prompts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         """Each conversation rendered by the checkpoint's chat template (``add_generation_prompt=True``), as
-        ``tokenizer.apply_chat_template(..., tokenize=False)`` renders it, by :class:`ChatRenderer`: in a child
-        process held to ``CHAT_RENDER_LIMIT_S`` seconds, ``CHAT_RENDER_MAX_CHARS`` characters a prompt and
-        ``CHAT_RENDER_MAX_BYTES`` of memory, since a template's loops and output are bounded by nothing else."""
-        return self.chat_renderer().render(conversations)
-
-
-RENDERER_KEY = "chat_renderer"
+        ``tokenizer.apply_chat_template(..., tokenize=False)`` renders it, by :class:`ChatRenderer` (the
+        ``chat_renderer`` resource): in a child process held to ``CHAT_RENDER_LIMIT_S`` seconds,
+        ``CHAT_RENDER_MAX_CHARS`` characters a prompt and ``CHAT_RENDER_MAX_BYTES`` of memory, since a template's
+        loops and output are bounded by nothing else."""
+        return self.state.get(CHAT_RENDERER).render(conversations)
 
 
 class ChatRenderer:
@@ -168,3 +145,39 @@ class ChatRenderer:
                     pipe.close()
             self._stderr.close()
             self._proc = None
+
+
+def _load_tokenizer(ctx: CheckContext) -> Any:
+    """The checkpoint's tokenizer; a one-line error when there is none that loads."""
+    from transformers import AutoTokenizer
+
+    from model_support.core.errors import ModelSupportError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
+    except Exception as exc:  # transformers raises OSError, ValueError or TypeError here
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelSupportError(
+            f"no usable tokenizer in {ctx.model_dir} ({type(exc).__name__}: {reason}); add the checkpoint's "
+            "tokenizer files"
+        ) from None
+    # Without tokenizer files transformers builds the family's tokenizer class with an empty vocabulary.
+    if len(tokenizer) <= len(tokenizer.all_special_ids):
+        raise ModelSupportError(
+            f"no tokenizer files in {ctx.model_dir}: transformers' {type(tokenizer).__name__} from it has "
+            f"{len(tokenizer)} token(s); add the checkpoint's tokenizer files (e.g. tokenizer.json)"
+        )
+    return tokenizer
+
+
+def _stop_renderer(renderer: ChatRenderer) -> None:
+    renderer.stop()
+
+
+TOKENIZER: Resource[Any] = Resource("tokenizer", "the checkpoint's tokenizer", _load_tokenizer)
+CHAT_RENDERER: Resource[ChatRenderer] = Resource(
+    "chat_renderer",
+    "a child process rendering conversations with the checkpoint's chat template (CheckContext.chat_prompts)",
+    lambda ctx: ChatRenderer(ctx.model_dir).start(),
+    stop=_stop_renderer,
+)

@@ -1,21 +1,10 @@
-"""What the Megatron stages share within one ``check`` run (kept in ``ctx.artifacts``).
-
-Artifact keys:
-
-* ``megatron_model`` (:class:`~model_support.core.api.TrainingModel`): the bridge-built model, converted once
-  per run (tensor parallel 1) by the training-time API;
-* ``megatron_lora`` (:class:`~model_support.core.megatron.lora.LoraReport`): LoRA applied in place on it;
-* ``peft_adapter_dir`` (Path): the PEFT adapter exported by ``lora_coverage`` from the Megatron LoRA;
-* ``reference_lowp_error`` (dict or None): how far transformers' own run in the model's dtype lands from its
-  fp32 run (:func:`reference_lowp`, measured by ``hf_parity``; None for an fp32 model);
-* ``hf_reference:<dtype>`` (:class:`~model_support.core.megatron.hf_reference.StreamedReference`): the
-  transformers reference (fp32, and the model's dtype where that is lower, to measure its own rounding error)
-  on the Megatron model's device, one decoder layer in memory at a time.
-"""
+"""What the Megatron stages share within one ``check`` run: the run-state resources (``validation/state.py``) of the
+bridge-built model, its LoRA, the transformers references and what lora_coverage and hf_parity leave for later
+stages, and the helpers that read them."""
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,48 +15,75 @@ from model_support.core.megatron.builder import MegatronModel
 from model_support.core.megatron.dist import device
 from model_support.core.megatron.hf_reference import StreamedReference
 from model_support.core.megatron.lora import LoraReport
+from model_support.validation.state import Resource
 
-MODEL_KEY = "megatron_model"
-LORA_KEY = "megatron_lora"
-ADAPTER_KEY = "peft_adapter_dir"
-REFERENCE_KEY = "hf_reference"
-LOWP_KEY = "reference_lowp_error"
 LORA_RANK = 8
 LORA_ALPHA = 16.0
 
 
-def training_model(ctx: Any) -> TrainingModel:
-    """The run's model, built on first use through :func:`model_support.core.api.build_model` (``build_s`` records
-    the conversion time), in the dtype ``check --dtype`` asks for (default: the device's)."""
-    if MODEL_KEY not in ctx.artifacts:
-        start = time.perf_counter()
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[ctx.dtype]
-        with timing.phase("build"):
-            model = api.build_model(ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype)
-        model.module.eval()
-        ctx.artifacts[MODEL_KEY] = model
-        ctx.artifacts["megatron_build_s"] = time.perf_counter() - start
-    return ctx.artifacts[MODEL_KEY]
+def _build_training_model(ctx: Any) -> TrainingModel:
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[ctx.dtype]
+    with timing.phase("build"):
+        model = api.build_model(ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype)
+    model.module.eval()
+    return model
+
+
+def _apply_lora(ctx: Any) -> LoraReport:
+    model = ctx.state.get(TRAINING_MODEL)
+    return model.lora or api.apply_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA)
+
+
+class References:
+    """The transformers references of a run, one per dtype, on the device the Megatron model uses (each built on
+    first use; one decoder layer in memory at a time)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self._by_dtype: dict[torch.dtype, StreamedReference] = {}
+
+    def in_dtype(self, dtype: torch.dtype) -> StreamedReference:
+        if dtype not in self._by_dtype:
+            with timing.phase("oracle"):
+                self._by_dtype[dtype] = StreamedReference(self._ctx.model_dir, self._ctx.config, device(), dtype)
+        return self._by_dtype[dtype]
+
+
+TRAINING_MODEL: Resource[TrainingModel] = Resource(
+    "training_model",
+    "the bridge-built Megatron model, converted once per run (tensor parallel 1) through the training-time API, in "
+    "the dtype `check --dtype` asks for (default: the device's)",
+    _build_training_model,
+)
+LORA: Resource[LoraReport] = Resource(
+    "lora",
+    f"LoRA (rank {LORA_RANK}) applied in place on every declared target of the training model",
+    _apply_lora,
+    uses=(TRAINING_MODEL,),
+)
+HF_REFERENCES: Resource[References] = Resource(
+    "hf_references",
+    "the transformers references (fp32, and the model's dtype where lower), streamed one decoder layer at a time",
+    References,
+)
+TRAINED_ADAPTER: Resource[Path] = Resource(
+    "trained_adapter", "the PEFT adapter the Megatron trainer exported from its LoRA (provided by lora_coverage)"
+)
+REFERENCE_LOWP_ERROR: Resource[dict[str, float] | None] = Resource(
+    "reference_lowp_error",
+    "how far transformers' own run in the model's dtype lands from its fp32 run (provided by hf_parity; None for "
+    "an fp32 model)",
+)
 
 
 def megatron_model(ctx: Any) -> MegatronModel:
-    """The bridge-built megatron-core model of the run (:func:`training_model`'s ``built``)."""
-    return training_model(ctx).built
+    """The bridge-built megatron-core model of the run (the training model's ``built``)."""
+    return ctx.state.get(TRAINING_MODEL).built
 
 
 def hf_reference(ctx: Any, dtype: torch.dtype = torch.float32) -> StreamedReference:
-    """The run's transformers reference in ``dtype`` on the device the Megatron model uses (built on first use)."""
-    key = f"{REFERENCE_KEY}:{dtype}"
-    if key not in ctx.artifacts:
-        with timing.phase("oracle"):
-            ctx.artifacts[key] = StreamedReference(ctx.model_dir, ctx.config, device(), dtype)
-    return ctx.artifacts[key]
-
-
-def megatron_lora(ctx: Any) -> LoraReport:
-    """LoRA on every declared target of the run's Megatron model (applied once, through the API)."""
-    model = training_model(ctx)
-    return model.lora or api.apply_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA)
+    """The run's transformers reference in ``dtype``."""
+    return ctx.state.get(HF_REFERENCES).in_dtype(dtype)
 
 
 def with_random_lora(ctx: Any, offset: int) -> MegatronModel:
@@ -76,7 +92,7 @@ def with_random_lora(ctx: Any, offset: int) -> MegatronModel:
     from model_support.core.megatron.lora import load_lora_state, random_lora_state
 
     built = megatron_model(ctx)
-    megatron_lora(ctx)
+    ctx.state.get(LORA)
     load_lora_state(built.model, random_lora_state(built.model, seed=ctx.seed + offset, b_std=0.05))
     return built
 

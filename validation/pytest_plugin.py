@@ -65,7 +65,7 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     """Resolve the handler for ``request.target`` and run the planned stages on it, in process.
 
     This is what ``model-support check`` does; ``workdir`` receives the tiny replica and the
-    stages' artifacts.
+    stages' files.
     """
     from model_support.core import api
     from model_support.core.discovery import load_config, locate, source_for

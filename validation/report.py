@@ -73,6 +73,9 @@ def _verbose_lines(result: StageResult, summary_shown: bool) -> list[str]:
         lines.append(f"gpu peak {_gpu_cell(result)}")
     if result.peak_host_mib is not None:
         lines.append(f"host peak {_host_cell(result)}")
+    if result.built:
+        made = (f"{name} ({o['phase']}, {o['seconds']:.1f} s)" for name, o in result.built.items())
+        lines.append("built: " + ", ".join(made))
     return lines + list(result.details)
 
 

@@ -77,8 +77,11 @@ def environment() -> dict[str, str]:
     return env
 
 
-def plan(available: Sequence[type[Stage]], selected: Sequence[str] | None = None) -> list[type[Stage]]:
-    """The stages to run, in pipeline order: the selected ones plus everything they require."""
+def plan(
+    available: Sequence[type[Stage]], selected: Sequence[str] | None = None, alone: bool = False
+) -> list[type[Stage]]:
+    """The stages to run, in pipeline order: the selected ones plus everything they require (``alone``: the selected
+    ones only; what they need is built on first use and their prerequisites' verdicts are not checked)."""
     by_name = {s.name: s for s in available}
     if not selected:
         wanted = set(by_name)
@@ -86,6 +89,8 @@ def plan(available: Sequence[type[Stage]], selected: Sequence[str] | None = None
         unknown = [n for n in selected if n not in by_name]
         if unknown:
             raise UnknownStageError(f"unknown stage(s) {', '.join(unknown)}; available: {', '.join(sorted(by_name))}")
+        if alone:
+            return sorted((by_name[n] for n in set(selected)), key=lambda s: (s.order, s.name))
         wanted = set()
         todo = list(selected)
         while todo:
@@ -109,9 +114,12 @@ def _not_applicable(stage: Stage, ctx: CheckContext) -> str | None:
     return stage.skip_reason(ctx)
 
 
-def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult]) -> StageResult:
+def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult], planned: set[str]) -> StageResult:
+    unchecked = [req for req in type(stage).requires if req not in planned]
     for req in type(stage).requires:
         prior = done.get(req)
+        if req in unchecked:  # run alone (plan(alone=True)): said in the result's details
+            continue
         if prior is None or prior.status is not Status.PASS:
             state = "did not run" if prior is None else f"{prior.status}ed".replace("skiped", "skipped")
             return stage.skipped(f"requires stage {req!r}, which {state}")
@@ -119,7 +127,10 @@ def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult]) -> S
     if reason:
         return stage.skipped(reason)
     try:
-        result = stage.run(ctx)
+        with ctx.state.acting(type(stage), "run"):
+            result = stage.run(ctx)
+        if unchecked:
+            result.details.append(f"run alone: prerequisite stage(s) {', '.join(unchecked)} not run")
     except ModelSupportError as exc:  # our own errors already say what is wrong and what to do
         return stage.failed(str(exc))
     except Exception as exc:
@@ -159,6 +170,7 @@ def run_checks(
         environment=environment(),
     )
     done: dict[str, StageResult] = {}
+    planned = {stage.name for stage in stages}
     try:
         # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
         with exact_fp32(ctx.dtype == "fp32"):
@@ -170,16 +182,19 @@ def run_checks(
                 with progress.step(stage_cls.name, indent=2, end_line=False), MemoryProbe() as memory:
                     with timing.measuring() as clock:
                         start = time.perf_counter()
-                        result = _run_one(stage_cls(), ctx, done)
+                        result = _run_one(stage_cls(), ctx, done, planned)
                         result.duration_s = time.perf_counter() - start
                     result.time_split = clock.split(result.duration_s)
                 memory.record(result)
+                result.built = {name: origin.to_dict() for name, origin in ctx.state.built_by(stage_cls.name).items()}
                 done[stage_cls.name] = result
                 report.results.append(result)
                 if on_result is not None:
                     on_result(result)
     finally:
-        _stop_servers(ctx)
+        # The run owns its servers and background jobs (also those of a stage that never ran, since a prerequisite
+        # failed): an in-process run must not leave them behind.
+        ctx.state.close()
     return report
 
 
@@ -189,18 +204,7 @@ def _prepare(ctx: CheckContext, stages: Sequence[type[Stage]]) -> None:
         stage = stage_cls()
         if not _not_applicable(stage, ctx):
             try:
-                stage.prepare(ctx)
+                with ctx.state.acting(stage_cls, "prepare"):
+                    stage.prepare(ctx)
             except ModelSupportError:  # raised again, and reported, where the stage's run waits for that work
                 continue
-
-
-def _stop_servers(ctx: CheckContext) -> None:
-    """Stop the servers and background jobs the stages started (also those whose stage never ran, since a
-    prerequisite failed): a run owns them (an in-process run must not leave them behind)."""
-    from model_support.core.serving.backend import Server
-    from model_support.core.serving.process import ManagedProcess
-    from model_support.validation.context import ChatRenderer
-
-    for value in ctx.artifacts.values():
-        if isinstance(value, Server | ManagedProcess | ChatRenderer):
-            value.stop()

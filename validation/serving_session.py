@@ -4,17 +4,18 @@ One vLLM server per run is started on the *base* checkpoint as ``<handler>@0`` (
 declares native LoRA and the build can run it), and every serving stage reuses it: ``native_vllm_lora`` loads
 the policy adapter into it while it serves the base weights; ``merged_serving`` then pushes the policy's merged
 weights in place from the Megatron model through the training-time API (``@1``); ``rl_trainability`` pushes
-each training step (``@2`` ...). ``ctx.artifacts[SERVED_KEY]`` records what the server holds, and a stage that
-needs other weights pushes them. The server is reaped when the run's process exits.
+each training step (``@2`` ...). The ``server`` resource records what the server holds, and a stage that
+needs other weights pushes them. The server is stopped when the run ends (and reaped when its process exits).
 
 The *policy* is base + one LoRA adapter: the adapter the Megatron trainer wrote in ``lora_coverage`` when that
-ran (``ctx.artifacts["peft_adapter_dir"]``), else a seeded random LoRA on the Megatron model exported through
-the API. Trainer-side log-probabilities come from the Megatron model carrying that adapter; transformers (fp32,
-adapter merged, streamed one decoder layer at a time) is the second reference.
+ran (the ``trained_adapter`` resource, ``validation/resources.py``), else a seeded random LoRA on the Megatron model
+exported through the API (``random_adapter``). Trainer-side log-probabilities come from the Megatron model carrying
+that adapter; transformers (fp32, adapter merged, streamed one decoder layer at a time) is the second reference.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,9 @@ from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.validate import TargetCoverageError, adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import LORA_RANK, megatron_lora, training_model
+from model_support.validation.megatron_session import HF_REFERENCES, LORA, LORA_RANK, TRAINED_ADAPTER, TRAINING_MODEL
+from model_support.validation.state import Resource
 
-MEGATRON_ADAPTER_KEY = "peft_adapter_dir"  # written by the lora_coverage stage (megatron_session.ADAPTER_KEY)
-ADAPTER_KEY = "serving.adapter_dir"
-SERVER_KEY = "serving.server"
-SERVED_KEY = "serving.served"  # "base", "policy" or "rl": the weights the server holds now
-POLICY_SERVER_KEY = "serving.policy_server"  # only where weights cannot be pushed in place (inplace_gap)
-LORA_SERVER_KEY = "serving.lora_server"  # native_vllm_lora's own, only where the shared one runs no LoRA (lora_gap)
 # Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
 # build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
 CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
@@ -93,24 +89,84 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
     )
 
 
-def _start_on_base(ctx: CheckContext, key: str, served_name: str, lora: bool, log_name: str) -> Server:
-    """The server ``ctx.artifacts[key]`` on the base checkpoint: started on the first call, not waited for (a stage's
-    ``prepare`` starts it while earlier stages run; ``wait_ready`` waits)."""
-    found = ctx.artifacts.get(key)
-    if found is None:
-        options = serve_options(ctx, enable_lora=lora)
-        found = backend().serve(ctx.model_dir, served_name, options, serving_workdir(ctx) / log_name, wait=False)
-        ctx.artifacts[key] = found
-        if key == SERVER_KEY:
-            ctx.artifacts[SERVED_KEY] = "base"
-    return found
+RANDOM_ADAPTER_SEED = 7  # added to the run's seed
+
+
+@dataclass
+class SharedServer:
+    """The run's one server and the weights it holds now: "base", "policy" or "rl"."""
+
+    server: Server
+    holds: str = "base"
+
+
+def _start_on_base(ctx: CheckContext, served_name: str, lora: bool, log_name: str) -> Server:
+    """A server on the base checkpoint, started and not waited for (a stage's ``prepare`` starts it while earlier
+    stages run; ``wait_ready`` waits)."""
+    options = serve_options(ctx, enable_lora=lora)
+    return backend().serve(ctx.model_dir, served_name, options, serving_workdir(ctx) / log_name, wait=False)
+
+
+def _start_shared(ctx: CheckContext) -> SharedServer:
+    lora = ctx.spec.vllm_lora.native and lora_gap(ctx) is None
+    return SharedServer(_start_on_base(ctx, f"{ctx.spec.name}@0", lora, "vllm.log"))
+
+
+def _random_adapter(ctx: CheckContext) -> Path:
+    from model_support.core.megatron.lora import load_lora_state, random_lora_state
+
+    model = ctx.state.get(TRAINING_MODEL)
+    ctx.state.get(LORA)
+    load_lora_state(model.module, random_lora_state(model.module, seed=ctx.seed + RANDOM_ADAPTER_SEED, b_std=0.05))
+    return api.export_adapter(model, serving_workdir(ctx) / "random-adapter")
+
+
+def _start_policy_server(ctx: CheckContext) -> Server:
+    weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
+    log = serving_workdir(ctx) / "vllm-policy.log"
+    return backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
+
+
+def _stop_server(server: Server) -> None:
+    server.stop()
+
+
+SERVER: Resource[SharedServer] = Resource(
+    "server",
+    "the run's one vLLM server, started on the base checkpoint as `<handler>@0` (LoRA on where the build can serve "
+    "the handler's adapter natively), and the weights it holds now",
+    _start_shared,
+    stop=lambda shared: shared.server.stop(),
+)
+LORA_SERVER: Resource[Server] = Resource(
+    "lora_server",
+    "a LoRA-enabled server of native_vllm_lora's own on the base checkpoint (`<handler>-base`), where the shared "
+    "one runs no LoRA (lora_gap)",
+    lambda ctx: _start_on_base(ctx, f"{ctx.spec.name}-base", True, "vllm-lora.log"),
+    stop=_stop_server,
+)
+RANDOM_ADAPTER: Resource[Path] = Resource(
+    "random_adapter",
+    "a seeded random LoRA on the Megatron model exported through the API: the policy adapter where no trained one "
+    "was provided",
+    _random_adapter,
+    uses=(TRAINING_MODEL, LORA),
+)
+# What serving_session.policy_adapter and policy_model read.
+POLICY: tuple[Resource[Any], ...] = (TRAINED_ADAPTER, RANDOM_ADAPTER, TRAINING_MODEL, LORA)
+POLICY_SERVER: Resource[Server] = Resource(
+    "policy_server",
+    "a server of the policy's own (`<handler>-policy`) started on its merged weights written as a checkpoint, "
+    "where the build cannot take weights in place (inplace_gap)",
+    _start_policy_server,
+    uses=POLICY,
+    stop=_stop_server,
+)
 
 
 def start_server(ctx: CheckContext) -> Server:
-    """The run's one server on the base checkpoint, ``<handler>@0`` (LoRA on where the build can serve the handler's
-    adapter natively), started and not waited for."""
-    lora = ctx.spec.vllm_lora.native and lora_gap(ctx) is None
-    return _start_on_base(ctx, SERVER_KEY, f"{ctx.spec.name}@0", lora, "vllm.log")
+    """The run's one server on the base checkpoint (:data:`SERVER`), started and not waited for."""
+    return ctx.state.get(SERVER).server
 
 
 def server(ctx: CheckContext) -> Server:
@@ -119,32 +175,14 @@ def server(ctx: CheckContext) -> Server:
         return start_server(ctx).wait_ready()
 
 
-def start_lora_server(ctx: CheckContext) -> Server:
-    """A LoRA-enabled server of ``native_vllm_lora``'s own on the base checkpoint (``<handler>-base``), for a build
-    whose shared server cannot run the handler's LoRA (:func:`lora_gap`), started and not waited for."""
-    return _start_on_base(ctx, LORA_SERVER_KEY, f"{ctx.spec.name}-base", True, "vllm-lora.log")
-
-
-def start_policy_server(ctx: CheckContext) -> Server:
-    """A server of the policy's own (``<handler>-policy``), for a build that cannot take weights in place
-    (:func:`inplace_gap`): started on the policy's merged weights written as a checkpoint, not waited for."""
-    found = ctx.artifacts.get(POLICY_SERVER_KEY)
-    if found is None:
-        weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
-        log = serving_workdir(ctx) / "vllm-policy.log"
-        found = backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
-        ctx.artifacts[POLICY_SERVER_KEY] = found
-    return found
-
-
 def prestart_policy(ctx: CheckContext) -> None:
     """Start in the background the server :func:`serve_policy` will hold the policy in: the shared one; where the
     policy needs a server of its own (:func:`inplace_gap`), that one, once the Megatron trainer has written the
     policy adapter (``lora_coverage``; the runner prepares again after each stage)."""
     if inplace_gap(ctx) is None:
         start_server(ctx)
-    elif MEGATRON_ADAPTER_KEY in ctx.artifacts:
-        start_policy_server(ctx)
+    elif ctx.state.find(TRAINED_ADAPTER) is not None:
+        ctx.state.get(POLICY_SERVER)
 
 
 def prestart_native_lora(ctx: CheckContext) -> None:
@@ -156,33 +194,27 @@ def prestart_native_lora(ctx: CheckContext) -> None:
     if lora_gap(ctx) is None:
         start_server(ctx)
     else:
-        start_lora_server(ctx)
+        ctx.state.get(LORA_SERVER)
 
 
 def serve_base(ctx: CheckContext) -> Server:
     """The run's server holding the checkpoint's own weights (pushed back in place if it holds others)."""
     running = server(ctx)
-    if ctx.artifacts[SERVED_KEY] != "base":
+    shared = ctx.state.get(SERVER)
+    if shared.holds != "base":
         running.update_weights(buckets(base_tensors(ctx.model_dir), api.DEFAULT_BUCKET_BYTES))
-        ctx.artifacts[SERVED_KEY] = "base"
+        shared.holds = "base"
     return running
 
 
 def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
     """(adapter dir, where it came from); an adapter that leaves a declared target uncovered is an error."""
-    trained = ctx.artifacts.get(MEGATRON_ADAPTER_KEY)
+    trained = ctx.state.find(TRAINED_ADAPTER)
     if trained is not None:
-        adapter, origin = Path(trained), "written by the Megatron trainer (lora_coverage)"
+        adapter, origin = trained, "written by the Megatron trainer (lora_coverage)"
     else:
-        seed = ctx.seed + 7
-        if ADAPTER_KEY not in ctx.artifacts:
-            from model_support.core.megatron.lora import load_lora_state, random_lora_state
-
-            model = training_model(ctx)
-            megatron_lora(ctx)
-            load_lora_state(model.module, random_lora_state(model.module, seed=seed, b_std=0.05))
-            ctx.artifacts[ADAPTER_KEY] = api.export_adapter(model, serving_workdir(ctx) / "random-adapter")
-        adapter, origin = ctx.artifacts[ADAPTER_KEY], f"random Megatron LoRA exported through the API (seed {seed})"
+        seed = ctx.seed + RANDOM_ADAPTER_SEED
+        adapter, origin = ctx.state.get(RANDOM_ADAPTER), f"random Megatron LoRA exported through the API (seed {seed})"
     adapter_config, tensors = load_peft_adapter(adapter)
     uncovered = uncovered_targets(ctx.spec, *adapter_targets(adapter_config, tensors))
     if uncovered:
@@ -196,8 +228,8 @@ def policy_adapter(ctx: CheckContext) -> tuple[Path, str]:
 def policy_model(ctx: CheckContext) -> api.TrainingModel:
     """The run's Megatron model carrying the policy adapter (loaded through the API)."""
     adapter, _ = policy_adapter(ctx)
-    model = training_model(ctx)
-    megatron_lora(ctx)
+    model = ctx.state.get(TRAINING_MODEL)
+    ctx.state.get(LORA)
     api.load_adapter(model, adapter)
     return model
 
@@ -207,13 +239,14 @@ def serve_policy(ctx: CheckContext) -> Server:
     Megatron model; where the build cannot take weights in place (:func:`inplace_gap`), a server started on
     those merged weights written as a checkpoint (``<handler>-policy``)."""
     if inplace_gap(ctx) is not None:
-        policy_server = start_policy_server(ctx)
+        policy_server = ctx.state.get(POLICY_SERVER)
         with timing.phase("server_start"):
             return policy_server.wait_ready()
     running = server(ctx)
-    if ctx.artifacts[SERVED_KEY] != "policy":
+    shared = ctx.state.get(SERVER)
+    if shared.holds != "policy":
         api.push_weights(running, policy_model(ctx))
-        ctx.artifacts[SERVED_KEY] = "policy"
+        shared.holds = "policy"
     return running
 
 
@@ -230,9 +263,8 @@ def trainer_logprobs(
     """Per-position log-softmax of the transformers policy (base + adapter merged; fp32 unless ``dtype`` says) for
     each sequence."""
     from model_support.core.megatron.hf_reference import adapter_deltas
-    from model_support.validation.megatron_session import hf_reference
 
-    reference, deltas = hf_reference(ctx, dtype), adapter_deltas(adapter)
+    reference, deltas = ctx.state.get(HF_REFERENCES).in_dtype(dtype), adapter_deltas(adapter)
     by_length: dict[int, list[int]] = {}
     for i, seq in enumerate(sequences):
         by_length.setdefault(len(seq), []).append(i)

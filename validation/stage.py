@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from model_support.validation.state import Resource
+
 if TYPE_CHECKING:
     from model_support.validation.context import CheckContext
 
@@ -27,7 +29,9 @@ class StageResult:
     torch's CUDA allocator, ``peak_host_mib`` the resident set, which is the process's peak so far
     rather than the stage's where ``peak_host_lifetime`` is set. Child processes are not counted. ``time_split``
     says where ``duration_s`` went (``core/timing.py``): seconds building the model, in the oracle, autotuning
-    kernels, waiting for a server to start, and the rest (``comparison``).
+    kernels, waiting for a server to start, and the rest (``comparison``). ``built`` names the run-state resources
+    the stage built or provided (``validation/state.py``): where (its ``prepare`` or ``run``) and the seconds each
+    took; a resource another stage built first is not rebuilt, and is not listed here.
     """
 
     stage: str
@@ -42,6 +46,7 @@ class StageResult:
     peak_gpu_reserved_mib: float | None = None
     peak_host_mib: float | None = None
     peak_host_lifetime: bool = False
+    built: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         peaks = {
@@ -60,6 +65,7 @@ class StageResult:
             "time_split_s": self.time_split,
             **{key: None if mib is None else round(mib, 1) for key, mib in peaks.items()},
             "peak_host_lifetime": self.peak_host_lifetime,
+            "built": self.built,
         }
 
 
@@ -82,8 +88,10 @@ class Stage(ABC):
     """Base class of every validation stage.
 
     Subclasses set ``name`` (CLI name), ``title`` (what passing proves, one line), ``order``
-    (position in the pipeline), ``requires`` (stages that must pass first) and ``packages``
-    (imports it needs; a missing one skips the stage with an install hint), and implement ``run``.
+    (position in the pipeline), ``requires`` (stages that must pass first: their verdicts, not their data),
+    ``packages`` (imports it needs; a missing one skips the stage with an install hint), ``needs`` and ``provides``
+    (the run-state resources it reads, built on first use, and those it writes: ``validation/state.py``; using
+    one it does not declare is an error), and implement ``run``.
     """
 
     name: ClassVar[str]
@@ -91,6 +99,8 @@ class Stage(ABC):
     order: ClassVar[int]
     requires: ClassVar[tuple[str, ...]] = ()
     packages: ClassVar[tuple[Requirement, ...]] = ()
+    needs: ClassVar[tuple[Resource[Any], ...]] = ()
+    provides: ClassVar[tuple[Resource[Any], ...]] = ()
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         """Why this stage does not apply to the model at hand (``None``: it applies)."""

@@ -99,10 +99,10 @@ def test_lora_that_does_not_reach_the_loss_fails_trainability(tiny_model_dir, tm
     """LoRA applied everywhere but scaled to nothing: no step can move the loss, and the stage says so."""
     require_megatron()
     from model_support.core.megatron.lora import lora_modules
-    from model_support.validation.megatron_session import megatron_lora, megatron_model
+    from model_support.validation.megatron_session import LORA, megatron_model
 
     ctx = _context(tiny_model_dir("qwen3"), tmp_path)
-    megatron_lora(ctx)
+    ctx.state.get(LORA)
     for module in lora_modules(megatron_model(ctx).model).values():
         module.scale = 0.0
     trained = _run(ctx, ("trainability",))["trainability"]

@@ -119,3 +119,38 @@ def test_lora_gradients_catches_a_detached_lora_input(tmp_path) -> None:
     assert m["long_loss_rel_err"] < 1e-4  # the forward is unchanged
     assert m["long_grad_worst_factor_rel_err"] > 0.1 and m["packed_grad_worst_factor_rel_err"] > 0.1
     assert "long_grad_worst_factor_rel_err=" in result.summary
+
+
+def test_the_report_says_which_stage_built_what(megatron_report) -> None:
+    """Each run-state resource is credited to the stage that first read it (built) or wrote it (provided)."""
+    report = megatron_report("qwen3")
+    built = {r.stage: {name: (o["phase"], o["provided"]) for name, o in r.built.items()} for r in report.results}
+    assert built["hf_parity"] == {
+        "training_model": ("run", False),
+        "hf_references": ("run", False),
+        "reference_lowp_error": ("run", True),
+    }
+    assert built["lora_coverage"] == {"lora": ("run", False), "trained_adapter": ("run", True)}
+    assert built["trainability"] == {"chat_renderer": ("prepare", False), "tokenizer": ("run", False)}
+    assert built["lora_gradients"] == built["packed_position_ids"] == built["shared_prefix"] == {}
+
+
+def test_a_stage_run_alone_builds_exactly_its_inputs(tiny_model_dir, tmp_path) -> None:
+    """``check -s packed_position_ids --alone``: its prerequisites do not run, it builds the model and LoRA it
+    reads, and nothing else (no transformers reference; hf_parity's rounding measure absent, so the fp32 limits)."""
+    from transformers import AutoConfig
+
+    from model_support.core.registry import load_registry
+    from model_support.validation.context import CheckContext
+    from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
+
+    registry = load_registry()
+    handler, model_dir = registry.get("qwen3"), tiny_model_dir("qwen3")
+    config = AutoConfig.from_pretrained(model_dir)
+    ctx = CheckContext("qwen3", model_dir, handler, config, handler.spec.layout(config), registry, tmp_path, tiny=True)
+    (result,) = run_checks(ctx, plan(load_stages(registry).classes(), ["packed_position_ids"], alone=True)).results
+    assert result.status is Status.PASS, result.summary
+    assert set(result.built) == {"training_model", "lora"}
+    assert {r.name for r in ctx.state.origins} == {"training_model", "lora"}
+    assert result.details[-1] == "run alone: prerequisite stage(s) hf_parity not run"

@@ -21,6 +21,7 @@ from model_support.core.validate import (
     uncovered_targets,
 )
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 
 
@@ -42,6 +43,7 @@ class ArchitectureStage(Stage):
     title = "The config's architecture, layer layout and LoRA target modules match the handler declaration."
     order = 20
     requires = ("dependencies",)
+    needs = (TRAINING_MODEL,)  # built only where the config asks for a sliding window or rope scaling
 
     def run(self, ctx: CheckContext) -> StageResult:
         on_disk = stored_tensors(ctx.model_dir)  # CheckpointError (the stage fails with it) for a bad checkpoint

@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 
 from model_support.core.serving.errors import ServingError
-from model_support.validation.context import CheckContext
+from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
+from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
 
@@ -34,10 +35,11 @@ class ChatTemplateRolloutStage(Stage):
     title = "Chat-template rendering, server generation and token ids round-trip between tokenizer and server."
     order = 90
     requires = ("merged_serving",)
+    needs = (*POLICY, SERVER, POLICY_SERVER, TOKENIZER, CHAT_RENDERER)
     max_tokens = 12
 
     def prepare(self, ctx: CheckContext) -> None:
-        ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
+        ctx.state.get(CHAT_RENDERER)  # loads the tokenizer in its child while earlier stages run
         from model_support.validation.serving_session import prestart_policy
 
         prestart_policy(ctx)

@@ -5,6 +5,7 @@ from __future__ import annotations
 # Re-exported so the stage reference (docs/stages.md) lists the tolerances this stage applies.
 from model_support.core.megatron.compare import LOGIT_TOLERANCES, LOWP_TOLERANCE_FACTOR
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import HF_REFERENCES, REFERENCE_LOWP_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Requirement, Stage, StageResult
 
 __all__ = ["LOGIT_TOLERANCES", "LOWP_TOLERANCE_FACTOR", "MEGATRON_PACKAGES", "HfParityStage"]
@@ -30,17 +31,13 @@ class HfParityStage(Stage):
     order = 30
     requires = ("weights",)
     packages = MEGATRON_PACKAGES
+    needs = (TRAINING_MODEL, HF_REFERENCES)
+    provides = (REFERENCE_LOWP_ERROR,)
     batch, seq_len = 2, 32
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.megatron.compare import tolerance_note
-        from model_support.validation.megatron_session import (
-            LOWP_KEY,
-            hf_reference,
-            long_row,
-            megatron_model,
-            random_tokens,
-        )
+        from model_support.validation.megatron_session import hf_reference, long_row, megatron_model, random_tokens
         from model_support.validation.reference_rows import compare_with_reference
 
         built = megatron_model(ctx)
@@ -59,13 +56,14 @@ class HfParityStage(Stage):
             thresholds |= limits
             lowps.append(lowp)
         # Later stages hold same-model comparisons of short and long rows to transformers' own rounding distance.
-        ctx.artifacts[LOWP_KEY] = None if lowps[0] is None else {k: max(lp[k] for lp in lowps) for k in lowps[0]}
+        worst = None if lowps[0] is None else {k: max(lp[k] for lp in lowps) for k in lowps[0]}
+        ctx.state.set(REFERENCE_LOWP_ERROR, worst)
         mtp_built = sum(1 for n, _ in built.model.named_modules() if n.startswith("mtp.layers.") and n.count(".") == 2)
         metrics |= {
             "mapped_params": len(built.mapped),
             "config_mtp_layers": ctx.layout.mtp_layers,
             "mtp_layers_built": mtp_built,
-            "build_s": round(ctx.artifacts.get("megatron_build_s", 0.0), 3),
+            "build_s": round(ctx.state.origins[TRAINING_MODEL].seconds, 3),
         }
         if ctx.spec.runtime.disable_mtp_for_training:  # the policy keeps MTP out of training: none may be built
             thresholds["mtp_layers_built"] = 0

@@ -14,6 +14,13 @@ from model_support.core.megatron.compare import EFFECT_FLOOR, LOGIT_TOLERANCES, 
 from model_support.core.spec import HandlerSpec, TargetScope
 from model_support.core.validate import adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import (
+    HF_REFERENCES,
+    LORA,
+    REFERENCE_LOWP_ERROR,
+    TRAINED_ADAPTER,
+    TRAINING_MODEL,
+)
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -63,6 +70,8 @@ class LoraCoverageStage(Stage):
     order = 40
     requires = ("hf_parity",)
     packages = MEGATRON_PACKAGES
+    needs = (TRAINING_MODEL, LORA, HF_REFERENCES, REFERENCE_LOWP_ERROR)
+    provides = (TRAINED_ADAPTER,)
     thresholds: ClassVar[dict[str, float]] = {
         "missing_lora_modules": 0,
         "zero_grad_params": 0,
@@ -86,13 +95,7 @@ class LoraCoverageStage(Stage):
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
-        from model_support.validation.megatron_session import (
-            ADAPTER_KEY,
-            long_row,
-            megatron_model,
-            random_tokens,
-            training_model,
-        )
+        from model_support.validation.megatron_session import long_row, megatron_model, random_tokens
         from model_support.validation.reference_rows import compare_with_reference
 
         spec, layout = ctx.spec, ctx.layout
@@ -129,14 +132,14 @@ class LoraCoverageStage(Stage):
             details.append(f"no gradient: {', '.join(zero_grad[:4])}")
 
         # The trainer's path: export through the API (the handler's codec), then load the file back into the model.
-        adapter_dir = api.export_adapter(training_model(ctx), ctx.workdir / "megatron-lora-adapter")
-        ctx.artifacts[ADAPTER_KEY] = adapter_dir
+        adapter_dir = api.export_adapter(ctx.state.get(TRAINING_MODEL), ctx.workdir / "megatron-lora-adapter")
+        ctx.state.set(TRAINED_ADAPTER, adapter_dir)
         adapter_config, on_disk = load_peft_adapter(adapter_dir)
         uncovered = uncovered_targets(spec, *adapter_targets(adapter_config, on_disk))
         if uncovered:
             details.append(f"the exported adapter has no module for {', '.join(uncovered)}")
         load_lora_state(model, {k: torch.zeros_like(v) for k, v in state.items()})
-        api.load_adapter(training_model(ctx), adapter_dir)
+        api.load_adapter(ctx.state.get(TRAINING_MODEL), adapter_dir)
         back = lora_state(model)  # on the model's device; ``state`` was drawn on the CPU
         mismatches = len(set(back) ^ set(state)) + sum(
             1 for k in set(back) & set(state) if not torch.equal(back[k].cpu(), state[k])
@@ -206,16 +209,15 @@ class LoraCoverageStage(Stage):
         routing: a near tie that such a sum flips would otherwise move whole tokens to other experts."""
         from model_support.core.megatron.compare import closeness, same_model_tolerances
         from model_support.core.megatron.forward import logits
-        from model_support.validation.megatron_session import LOWP_KEY, megatron_lora, training_model
         from model_support.validation.row_runs import routing_of
 
-        model = training_model(ctx)
+        model = ctx.state.get(TRAINING_MODEL)
         if model.lora is not None:  # another stage of the run applied it first
-            return megatron_lora(ctx), {}, {}, ["apply_lora's identity not measured: LoRA was on before this stage"]
+            return ctx.state.get(LORA), {}, {}, ["apply_lora's identity not measured: LoRA was on before this stage"]
         exact = model.built.numerics.dtype == torch.float32
         with torch.no_grad(), routing_of(model.module, tokens):
             base = logits(model.module, tokens)
-            report = megatron_lora(ctx)
+            report = ctx.state.get(LORA)
             fresh = logits(model.module, tokens)
         note = "bit for bit" if exact else "within the same-model tolerances"
         details = [f"apply_lora's fresh adapter (B = 0) on {tokens.shape[1]} tokens: logits unchanged {note}"]
@@ -223,7 +225,7 @@ class LoraCoverageStage(Stage):
             key = "fresh_lora_logits_max_abs_err"
             return report, {key: (fresh - base).abs().max().item()}, {key: 0.0}, details
         found = closeness(fresh, base, prefix="fresh_lora_logits_")
-        limits = same_model_tolerances(model.built.numerics.dtype, ctx.artifacts.get(LOWP_KEY))
+        limits = same_model_tolerances(model.built.numerics.dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
         limits = {f"fresh_lora_{k}": v for k, v in limits.items() if k.startswith("logits_")}
         return report, found, limits, details
 
@@ -238,14 +240,13 @@ class LoraCoverageStage(Stage):
         (the innermost) are named."""
         from model_support.core.megatron.compare import closeness, same_model_tolerances
         from model_support.core.megatron.forward import logits
-        from model_support.validation.megatron_session import LOWP_KEY
         from model_support.validation.row_runs import routing_of
 
         dtype = next(model.parameters()).dtype
         if dtype == torch.float32:
             limits = {"train_mode_logits_max_abs_err": 1e-6}
         else:
-            same = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
+            same = same_model_tolerances(dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
             limits = {f"train_mode_{k}": v for k, v in same.items() if k.startswith("logits_")}
         dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         details = [f"Dropout modules with p > 0: {', '.join(dropouts[:4]) or 'none'}"]

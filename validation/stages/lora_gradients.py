@@ -11,6 +11,7 @@ import torch
 # LOWP_TOLERANCE_FACTOR is re-exported so the stage reference (docs/stages.md) lists it for this stage.
 from model_support.core.megatron.compare import LOWP_FLOOR, LOWP_TOLERANCE_FACTOR
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import LORA, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -137,9 +138,8 @@ def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Te
     from model_support.core import api
     from model_support.core.megatron.compare import replayed_routing
     from model_support.core.megatron.lora import lora_modules
-    from model_support.validation.megatron_session import training_model
 
-    trainer = training_model(ctx)
+    trainer = ctx.state.get(TRAINING_MODEL)
     model = trainer.module
     row = torch.cat(rows, dim=1)
     positions = torch.cat([torch.arange(r.shape[1]) for r in rows])[None] if len(rows) > 1 else None
@@ -222,6 +222,7 @@ class LoraGradientsStage(Stage):
     order = 45
     requires = ("lora_coverage",)
     packages = MEGATRON_PACKAGES
+    needs = (TRAINING_MODEL, LORA)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         if ctx.spec.codec is None:
@@ -234,13 +235,13 @@ class LoraGradientsStage(Stage):
         from model_support.core.megatron.dist import device
         from model_support.core.megatron.hf_reference import adapter_deltas, whole_reference
         from model_support.core.megatron.lora import lora_state
-        from model_support.validation.megatron_session import long_row, random_tokens, training_model, with_random_lora
+        from model_support.validation.megatron_session import long_row, random_tokens, with_random_lora
         from model_support.validation.stages.lora_coverage import logits_without_lora
 
         built = with_random_lora(ctx, offset=ADAPTER_SEED)
         model, dtype = built.model, built.numerics.dtype
         state = lora_state(model)
-        adapter_dir = api.export_adapter(training_model(ctx), ctx.workdir / "lora-gradients-adapter")
+        adapter_dir = api.export_adapter(ctx.state.get(TRAINING_MODEL), ctx.workdir / "lora-gradients-adapter")
         deltas = adapter_deltas(adapter_dir)
         length = long_row(ctx)
         lengths = packed_lengths(length)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import HF_REFERENCES
+from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER
 from model_support.validation.stage import Requirement, Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -97,6 +99,7 @@ class MergedServingStage(Stage):
     title = "vLLM serving the merged LoRA export matches transformers + the adapter (prompt and next-token logprobs)."
     order = 70
     packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
+    needs = (*POLICY, SERVER, POLICY_SERVER, HF_REFERENCES)
     prompts, prompt_len = 2, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:

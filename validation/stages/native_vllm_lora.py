@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import HF_REFERENCES
+from model_support.validation.serving_session import LORA_SERVER, POLICY, SERVER
 from model_support.validation.stage import Requirement, Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import calibrated_tolerance, cannot_serve
@@ -69,6 +71,7 @@ class NativeVllmLoraStage(Stage):
     )
     order = 65
     packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
+    needs = (*POLICY, SERVER, LORA_SERVER, HF_REFERENCES)
     prompts, prompt_len = 1, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
@@ -124,7 +127,7 @@ class NativeVllmLoraStage(Stage):
                 server = session.serve_base(ctx)
             else:
                 with timing.phase("server_start"):
-                    own = server = session.start_lora_server(ctx).wait_ready()
+                    own = server = ctx.state.get(LORA_SERVER).wait_ready()
             server.load_lora(lora_name, adapter)
             choices = [
                 server.completion(p, model=lora_name, max_tokens=1, temperature=0.0, prompt_logprobs=0) for p in prompts
@@ -135,8 +138,7 @@ class NativeVllmLoraStage(Stage):
             return cannot_serve(self, ctx, exc)
         finally:
             if own is not None:
-                own.stop()
-                ctx.artifacts.pop(session.LORA_SERVER_KEY, None)
+                ctx.state.drop(LORA_SERVER)
         reference = session.trainer_logprobs(ctx, adapter, prompts)
         delta = torch.cat(
             [

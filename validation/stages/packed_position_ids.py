@@ -9,6 +9,7 @@ import torch
 # Re-exported so the stage reference (docs/stages.md) lists the tolerances this stage applies.
 from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR, SAME_MODEL_FP32_TOLERANCES
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -32,6 +33,7 @@ class PackedPositionIdsStage(Stage):
     title = "Packed rows (position ids restarting at 0) give the same logits and gradients as separate runs."
     order = 50
     requires = ("hf_parity",)
+    needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR)
     packages = MEGATRON_PACKAGES
     # Sequences around a long one (``long_row``: across every GDN chunk boundary, window and rope threshold the model
     # has), so boundaries fall inside GDN chunks and the long sequence's state crosses chunks.
@@ -44,7 +46,7 @@ class PackedPositionIdsStage(Stage):
             same_model_tolerances,
             worst_closeness,
         )
-        from model_support.validation.megatron_session import LOWP_KEY, long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=2)
@@ -81,7 +83,7 @@ class PackedPositionIdsStage(Stage):
             **gradient_closeness(packed.grads, alone.grads),
             "leak_control_rel_l2": worst_closeness(unpacked, separate, bounds)["rel_l2"],
         }
-        thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
+        thresholds = same_model_tolerances(dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
         why = "the packed-row comparison cannot tell sequences apart"
         control = metrics["leak_control_rel_l2"]
         return self.blind(

@@ -14,11 +14,21 @@ from model_support.core.parallel import ParallelLayout
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+from model_support.validation.state import Resource
 
 if TYPE_CHECKING:
     from model_support.core.serving.process import ManagedProcess
 
-JOB_KEY = "parallel_parity.job"  # the ranks' job, started by ``prepare`` while earlier stages run
+
+def _stop_job(job: ManagedProcess) -> None:
+    job.stop()
+
+
+JOB: Resource[ManagedProcess] = Resource(
+    "parallel_job",
+    "parallel_parity's ranks and single-rank oracle, one job started by its prepare while earlier stages run",
+    stop=_stop_job,
+)
 
 # Layouts checked when the run names none, on world sizes 2 and 4: tensor (with and without sequence parallel),
 # pipeline (with virtual stages), context parallel, and tensor x pipeline for every family; for MoE also expert
@@ -73,6 +83,7 @@ class ParallelParityStage(Stage):
     order = 62
     requires = ("lora_coverage",)
     packages = MEGATRON_PACKAGES
+    provides = (JOB,)
     # fp32 on both sides: a layout that drops a reduction or mis-slices a shard is off by O(1).
     thresholds: ClassVar[dict[str, float]] = {
         "logits_max_abs_err": 1e-4,
@@ -109,8 +120,8 @@ class ParallelParityStage(Stage):
     def prepare(self, ctx: CheckContext) -> None:
         """Start the job: it reads only the checkpoint, so it runs while the stages before this one do."""
         layouts, _ = self._layouts(ctx)
-        if layouts and JOB_KEY not in ctx.artifacts:
-            ctx.artifacts[JOB_KEY] = self._start(ctx, layouts)
+        if layouts and ctx.state.find(JOB) is None:
+            ctx.state.set(JOB, self._start(ctx, layouts))
 
     def _start(self, ctx: CheckContext, layouts: list[str]) -> ManagedProcess:
         """The job over ``layouts`` (and the single-rank oracle), under the launcher: the job and its
@@ -146,11 +157,14 @@ class ParallelParityStage(Stage):
         world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
         out, log = self._out(ctx), ctx.workdir / "parallel-parity.log"
         gpus = torch.cuda.device_count()
-        job = ctx.artifacts.pop(JOB_KEY, None) or self._start(ctx, layouts)
+        job = ctx.state.find(JOB)
+        if job is None:  # prepare did not start it
+            job = self._start(ctx, layouts)
+            ctx.state.set(JOB, job)
         try:
             exit_code = job.wait(self.timeout_s)
         finally:
-            job.stop()
+            ctx.state.drop(JOB)
         if exit_code is None:
             return self.failed(f"the parallel job did not finish in {self.timeout_s} s (stopped); see {log}")
         oracle_file = out / "single.safetensors"

@@ -30,7 +30,9 @@ from typing import Any, ClassVar
 import torch
 
 from model_support.core.serving.errors import ServingError
-from model_support.validation.context import CheckContext
+from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
+from model_support.validation.megatron_session import LORA, TRAINING_MODEL
+from model_support.validation.serving_session import SERVER
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
@@ -83,6 +85,7 @@ class RlTrainabilityStage(Stage):
     title = "An RL loop on the API (sample from vLLM, score in Megatron, LoRA step, push) reaches reward 0.9."
     order = 110
     packages = MEGATRON_PACKAGES
+    needs = (TRAINING_MODEL, LORA, TOKENIZER, CHAT_RENDERER, SERVER)
     thresholds: ClassVar[dict[str, float]] = {
         "reward_gap": 0.1,
         "stale_served_names": 0,
@@ -114,13 +117,12 @@ class RlTrainabilityStage(Stage):
     def prepare(self, ctx: CheckContext) -> None:
         from model_support.validation.serving_session import start_server
 
-        ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
+        ctx.state.get(CHAT_RENDERER)  # loads the tokenizer in its child while earlier stages run
         start_server(ctx)
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.layout import text_config
         from model_support.validation import serving_session as session
-        from model_support.validation.megatron_session import megatron_lora, training_model
 
         tokenizer = ctx.tokenizer()
         try:
@@ -131,8 +133,8 @@ class RlTrainabilityStage(Stage):
         prompts = ctx.chat_prompts(chats)
         prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
 
-        model = training_model(ctx)
-        megatron_lora(ctx)
+        model = ctx.state.get(TRAINING_MODEL)
+        ctx.state.get(LORA)
         base = base_fingerprints(model.module)
         tcfg = text_config(ctx.config)
         lr = peak_lr(int(tcfg.hidden_size), int(tcfg.num_hidden_layers))
@@ -143,7 +145,7 @@ class RlTrainabilityStage(Stage):
                     server = session.serve_base(ctx)  # the adapter goes onto the checkpoint's own weights
                 else:
                     server = session.server(ctx)
-                    ctx.artifacts[session.SERVED_KEY] = "rl"
+                    ctx.state.get(SERVER).holds = "rl"
                 runs.append(self._loop(ctx, mode, server, model, prompt_ids, answers, lr))
         except ServingError as exc:
             return cannot_serve(self, ctx, exc)

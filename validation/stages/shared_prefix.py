@@ -7,6 +7,7 @@ import itertools
 import torch
 
 from model_support.validation.context import CheckContext
+from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -31,6 +32,7 @@ class SharedPrefixStage(Stage):
     title = "A prompt packed once with its completions gives the logits, loss and gradients of the unshared rows."
     order = 52
     requires = ("hf_parity",)
+    needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR)
     packages = MEGATRON_PACKAGES
     # The prompt is a long row (``long_row``: across every GDN chunk boundary, window and rope threshold it has);
     # one completion spans a GDN chunk boundary of its own.
@@ -44,7 +46,7 @@ class SharedPrefixStage(Stage):
             worst_closeness,
         )
         from model_support.core.megatron.rows import RowLayout
-        from model_support.validation.megatron_session import LOWP_KEY, long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=3)
@@ -103,7 +105,7 @@ class SharedPrefixStage(Stage):
             "control_rel_l2": worst_closeness(control, reference, spans[1:])["rel_l2"],
             **self._through_api(ctx, prompt, completions, routing),
         }
-        thresholds = same_model_tolerances(dtype, ctx.artifacts.get(LOWP_KEY))
+        thresholds = same_model_tolerances(dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
         # The trainer's GRPO scoring call against its per-sequence one: held to the logits' limits.
         thresholds |= {
             k.replace("logits_", "api_group_logprobs_", 1): v for k, v in thresholds.items() if k.startswith("logits_")
@@ -131,9 +133,8 @@ class SharedPrefixStage(Stage):
         closeness), MoE routers replaying the routing the comparison above replays."""
         from model_support.core import api
         from model_support.core.megatron.compare import closeness, replayed_routing
-        from model_support.validation.megatron_session import training_model
 
-        model, size = training_model(ctx), prompt.shape[1]
+        model, size = ctx.state.get(TRAINING_MODEL), prompt.shape[1]
         tokens, rows = prompt[0].tolist(), [c[0].tolist() for c in completions]
         unshared = [torch.cat([torch.cat([calls[0][:size], c[size:]]) for c in calls]) for calls in routing]
         shared = [torch.cat([calls[0][:size], *(c[size:] for c in calls)]) for calls in routing]

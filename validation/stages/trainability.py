@@ -6,7 +6,8 @@ from typing import ClassVar
 
 import torch
 
-from model_support.validation.context import CheckContext
+from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
+from model_support.validation.megatron_session import LORA, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -37,22 +38,22 @@ class TrainabilityStage(Stage):
     title = "LoRA optimizer steps cut the loss of a small yes/no task; base weights stay unchanged."
     order = 60
     requires = ("hf_parity",)
+    needs = (TRAINING_MODEL, LORA, TOKENIZER, CHAT_RENDERER)
     packages = MEGATRON_PACKAGES
     thresholds: ClassVar[dict[str, float]] = {"loss_ratio": 0.5, "base_params_changed": 0}
     max_steps, warmup_steps, clip_norm = 40, 5, 1.0
 
     def prepare(self, ctx: CheckContext) -> None:
-        ctx.chat_renderer()  # loads the tokenizer in its child while earlier stages run
+        ctx.state.get(CHAT_RENDERER)  # loads the tokenizer in its child while earlier stages run
 
     def run(self, ctx: CheckContext) -> StageResult:
 
         from model_support.core.layout import text_config
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.lora import lora_modules
-        from model_support.validation.megatron_session import megatron_lora, megatron_model
 
-        model = megatron_model(ctx).model
-        megatron_lora(ctx)
+        model = ctx.state.get(TRAINING_MODEL).module
+        ctx.state.get(LORA)
         torch.manual_seed(ctx.seed)
         for module in lora_modules(model).values():
             module.reset_parameters()
