@@ -69,10 +69,42 @@ HF_REFERENCES: Resource[References] = Resource(
 TRAINED_ADAPTER: Resource[Path] = Resource(
     "trained_adapter", "the PEFT adapter the Megatron trainer exported from its LoRA (provided by lora_coverage)"
 )
+PARITY_ROWS = (2, 32)  # hf_parity's batch of short rows (rows, tokens), beside its long row
+
+
+def parity_rows(ctx: Any) -> list[tuple[str, torch.Tensor]]:
+    """The rows ``hf_parity`` compares, under their metric prefixes: a batch of short rows, and one row across every
+    length-dependent structure of the model (:func:`long_row`)."""
+    return [
+        ("", random_tokens(ctx, PARITY_ROWS, offset=0)),
+        ("long_", random_tokens(ctx, (1, long_row(ctx)), offset=1)),
+    ]
+
+
+def worst_lowp(lowps: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """The largest of each rounding-distance measure over rows (``None`` for an fp32 model)."""
+    return None if lowps[0] is None else {k: max(lp[k] for lp in lowps) for k in lowps[0]}
+
+
+def _measure_reference_lowp(ctx: Any) -> dict[str, float] | None:
+    """transformers' own rounding distance on ``hf_parity``'s rows, as ``hf_parity`` measures it while it compares
+    (which provides it): measured here only where it has not run, e.g. for a stage run alone."""
+    dtype = ctx.state.get(TRAINING_MODEL).built.numerics.dtype
+    if dtype == torch.float32:
+        return None
+    moe, lowps = ctx.layout.moe is not None, []
+    for _, tokens in parity_rows(ctx):
+        ref = hf_reference(ctx).forward(tokens, routers=moe)
+        lowps.append(reference_lowp(ctx, dtype, tokens, ref.logits, routing=[r.indices for r in ref.routers]))
+    return worst_lowp(lowps)
+
+
 REFERENCE_LOWP_ERROR: Resource[dict[str, float] | None] = Resource(
     "reference_lowp_error",
-    "how far transformers' own run in the model's dtype lands from its fp32 run (provided by hf_parity; None for "
-    "an fp32 model)",
+    "how far transformers' own run in the model's dtype lands from its fp32 run on hf_parity's rows (None for an "
+    "fp32 model): provided by hf_parity as it compares, measured on first use where it has not run",
+    _measure_reference_lowp,
+    uses=(TRAINING_MODEL, HF_REFERENCES),
 )
 
 

@@ -299,12 +299,12 @@ def _state_section(stages: list[type[Stage]]) -> list[str]:
     ]
     rows = []
     for resource in resources:
+        makers = ", ".join(f"`{s.name}`" for s in stages if resource in s.provides)
+        made = [f"provided by {makers}"] if makers else []
         if resource.build is not None:
             uses = ", ".join(f"`{r.name}`" for r in resource.uses)
-            made = "built on first use" + (f" (uses {uses})" if uses else "")
-        else:
-            makers = [f"`{s.name}`" for s in stages if resource in s.provides]
-            made = f"provided by {', '.join(makers)}"
+            made.append("built on first use" + (f" (uses {uses})" if uses else ""))
+        made = "; else ".join(made)
         readers = ", ".join(f"`{s.name}`" for s in stages if resource in s.needs) or "-"
         rows.append((f"`{resource.name}`", resource.doc, made, readers))
     return lines + _table(("resource", "what it is", "made", "read by"), rows)

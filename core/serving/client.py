@@ -28,9 +28,9 @@ from openai.resources.chat import Completions as ChatCompletions
 
 from model_support.core.serving.errors import ServerError
 
-# The openai package's HTTP library logs every request at INFO: a root logger at INFO (megatron-bridge's imports
-# set one up) would print a line per request.
-for _logger in ("httpx", "httpx2"):
+# The openai package's HTTP library logs every request at INFO, and the package each retry: a root logger at INFO
+# (megatron-bridge's imports set one up) would print a line per request (the error, if it persists, is raised).
+for _logger in ("httpx", "httpx2", "openai"):
     logging.getLogger(_logger).setLevel(logging.WARNING)
 
 # The request fields the ``openai`` package knows, taken from its own signatures (they grow with its versions);

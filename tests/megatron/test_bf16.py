@@ -110,3 +110,21 @@ def test_lora_that_does_not_reach_the_loss_fails_trainability(tiny_model_dir, tm
     assert trained.metrics["loss_ratio"] == pytest.approx(1.0, abs=1e-3)
     assert trained.metrics["steps"] == 40
     assert trained.summary.startswith("loss_ratio=")
+
+
+def test_a_stage_alone_in_bf16_measures_the_reference_rounding_as_hf_parity_does(tiny_model_dir, tmp_path) -> None:
+    """bf16 comparisons are held to transformers' own bf16 distance, which hf_parity provides as it compares. Run
+    alone (hf_parity not run), a stage has it measured on first use: on hf_parity's rows, to the same numbers."""
+    require_megatron()
+    from model_support.validation.megatron_session import REFERENCE_LOWP_ERROR
+
+    model_dir = tiny_model_dir("qwen3-moe")
+    with_parity = _context(model_dir, tmp_path / "with")
+    _run(with_parity, ("hf_parity",))
+    provided = with_parity.state.get(REFERENCE_LOWP_ERROR)
+    alone = _context(model_dir, tmp_path / "alone")
+    report = run_checks(alone, plan(load_stages(alone.registry).classes(), ["packed_position_ids"], alone=True))
+    (result,) = report.results
+    assert result.status is Status.PASS, result.summary
+    assert result.built["reference_lowp_error"]["provided"] is False
+    assert provided is not None and alone.state.get(REFERENCE_LOWP_ERROR) == provided

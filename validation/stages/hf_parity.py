@@ -5,7 +5,7 @@ from __future__ import annotations
 # Re-exported so the stage reference (docs/stages.md) lists the tolerances this stage applies.
 from model_support.core.megatron.compare import LOGIT_TOLERANCES, LOWP_TOLERANCE_FACTOR
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import HF_REFERENCES, REFERENCE_LOWP_ERROR, TRAINING_MODEL
+from model_support.validation.megatron_session import HF_REFERENCES, PARITY_ROWS, REFERENCE_LOWP_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Requirement, Stage, StageResult
 
 __all__ = ["LOGIT_TOLERANCES", "LOWP_TOLERANCE_FACTOR", "MEGATRON_PACKAGES", "HfParityStage"]
@@ -33,11 +33,11 @@ class HfParityStage(Stage):
     packages = MEGATRON_PACKAGES
     needs = (TRAINING_MODEL, HF_REFERENCES)
     provides = (REFERENCE_LOWP_ERROR,)
-    batch, seq_len = 2, 32
+    batch, seq_len = PARITY_ROWS
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.megatron.compare import tolerance_note
-        from model_support.validation.megatron_session import hf_reference, long_row, megatron_model, random_tokens
+        from model_support.validation.megatron_session import hf_reference, megatron_model, parity_rows, worst_lowp
         from model_support.validation.reference_rows import compare_with_reference
 
         built = megatron_model(ctx)
@@ -45,19 +45,18 @@ class HfParityStage(Stage):
         moe = ctx.layout.moe is not None
         # A batch of short rows, and one row across every length-dependent structure of the model (GDN chunks, a
         # sliding window, where rope scaling starts): a bug that only shows past one of them shows there.
-        length = long_row(ctx)
+        rows = parity_rows(ctx)
+        length = rows[-1][1].shape[1]
         metrics: dict[str, object] = {"dtype": built.numerics.dtype_name, "long_row_tokens": length}
         thresholds: dict[str, float] = {}
         lowps = []
-        for prefix, shape, offset in (("", (self.batch, self.seq_len), 0), ("long_", (1, length), 1)):
-            tokens = random_tokens(ctx, shape, offset=offset)
+        for prefix, tokens in rows:
             found, limits, lowp = compare_with_reference(ctx, built, tokens, prefix, routers=True)
             metrics |= found
             thresholds |= limits
             lowps.append(lowp)
         # Later stages hold same-model comparisons of short and long rows to transformers' own rounding distance.
-        worst = None if lowps[0] is None else {k: max(lp[k] for lp in lowps) for k in lowps[0]}
-        ctx.state.set(REFERENCE_LOWP_ERROR, worst)
+        ctx.state.set(REFERENCE_LOWP_ERROR, worst_lowp(lowps))
         mtp_built = sum(1 for n, _ in built.model.named_modules() if n.startswith("mtp.layers.") and n.count(".") == 2)
         metrics |= {
             "mapped_params": len(built.mapped),

@@ -225,7 +225,7 @@ class LoraCoverageStage(Stage):
             key = "fresh_lora_logits_max_abs_err"
             return report, {key: (fresh - base).abs().max().item()}, {key: 0.0}, details
         found = closeness(fresh, base, prefix="fresh_lora_logits_")
-        limits = same_model_tolerances(model.built.numerics.dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
+        limits = same_model_tolerances(model.built.numerics.dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
         limits = {f"fresh_lora_{k}": v for k, v in limits.items() if k.startswith("logits_")}
         return report, found, limits, details
 
@@ -246,7 +246,7 @@ class LoraCoverageStage(Stage):
         if dtype == torch.float32:
             limits = {"train_mode_logits_max_abs_err": 1e-6}
         else:
-            same = same_model_tolerances(dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
+            same = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
             limits = {f"train_mode_{k}": v for k, v in same.items() if k.startswith("logits_")}
         dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         details = [f"Dropout modules with p > 0: {', '.join(dropouts[:4]) or 'none'}"]

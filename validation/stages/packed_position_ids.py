@@ -83,7 +83,7 @@ class PackedPositionIdsStage(Stage):
             **gradient_closeness(packed.grads, alone.grads),
             "leak_control_rel_l2": worst_closeness(unpacked, separate, bounds)["rel_l2"],
         }
-        thresholds = same_model_tolerances(dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
+        thresholds = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
         why = "the packed-row comparison cannot tell sequences apart"
         control = metrics["leak_control_rel_l2"]
         return self.blind(

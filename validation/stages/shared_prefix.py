@@ -105,7 +105,7 @@ class SharedPrefixStage(Stage):
             "control_rel_l2": worst_closeness(control, reference, spans[1:])["rel_l2"],
             **self._through_api(ctx, prompt, completions, routing),
         }
-        thresholds = same_model_tolerances(dtype, ctx.state.find(REFERENCE_LOWP_ERROR))
+        thresholds = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
         # The trainer's GRPO scoring call against its per-sequence one: held to the logits' limits.
         thresholds |= {
             k.replace("logits_", "api_group_logprobs_", 1): v for k, v in thresholds.items() if k.startswith("logits_")
