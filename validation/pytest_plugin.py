@@ -51,6 +51,8 @@ class CheckRequest:
     prefer: tuple[tuple[str, str], ...] = ()
     # Parallel layouts for `parallel_parity` (e.g. ("tp2", "ep2")); empty: the stage's default for the model.
     layouts: tuple[str, ...] = ()
+    # Run ``stages`` without their prerequisites (``check --alone``).
+    alone: bool = False
 
     @property
     def label(self) -> str:
@@ -77,7 +79,7 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     registry = registry or load_registry(prefer=dict(request.prefer))
     source = source_for(request.target, registry, request.tiny)
     handler = api.resolve(source, registry=registry)
-    stages = plan(load_stages(registry).classes(), list(request.stages) or None)
+    stages = plan(load_stages(registry).classes(), list(request.stages) or None, alone=request.alone)
     workdir.mkdir(parents=True, exist_ok=True)
     if request.tiny:
         from model_support.core.tiny import build_tiny

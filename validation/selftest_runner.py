@@ -1,5 +1,6 @@
 """Runs ``model-support selftest``: the clean runs, then each mutation of :mod:`model_support.validation.selftest`'s
-catalogue injected, each through an in-process ``check --tiny`` of the stage that must catch it.
+catalogue injected, each through an in-process ``check --tiny --stage S --alone`` of the stage that must catch it
+(alone: the verdict is that stage's own, and its prerequisites, which other runs check, are not run again).
 
 Apart from the catalogue because the stages read which mutation is injected (``selftest.active_mutation``) and this
 runs the stages: the catalogue stays below the stages, the runner above them.
@@ -32,7 +33,7 @@ class Outcome:
 def _stage_result(handler: str, stage: str, workdir: Path) -> Any:
     from model_support.validation.pytest_plugin import CheckRequest, run_check
 
-    report = run_check(CheckRequest(target=handler, tiny=True, stages=(stage,)), workdir)
+    report = run_check(CheckRequest(target=handler, tiny=True, stages=(stage,), alone=True), workdir)
     return next(r for r in report.results if r.stage == stage)
 
 
