@@ -310,6 +310,10 @@ def _state_section(stages: list[type[Stage]]) -> list[str]:
     return lines + _table(("resource", "what it is", "made", "read by"), rows)
 
 
+def _in(layouts: tuple[str, ...]) -> str:
+    return f" in {', '.join(layouts)}" if layouts else ""
+
+
 def _selftest_section() -> list[str]:
     """The catalogue of ``model-support selftest``: each injected bug and the stage that must catch it."""
     from model_support.validation import selftest
@@ -326,7 +330,7 @@ def _selftest_section() -> list[str]:
         "",
     ]
     rows = [
-        (f"`{m.name}`", m.bug, m.handler, f"`{m.stage}`" + (" (vLLM)" if m.needs_server else ""))
+        (f"`{m.name}`", m.bug, m.handler, f"`{m.stage}`" + (" (vLLM)" if m.needs_server else "") + _in(m.layouts))
         for m in selftest.MUTATIONS
     ]
     return lines + _table(("mutation", "bug injected", "tiny replica", "must fail"), rows)

@@ -32,6 +32,8 @@ class Mutation:
     stage: str
     patch: Callable[[], AbstractContextManager[Any]]
     needs_server: bool = False
+    # The parallel layouts the bug lives in: ``parallel_parity`` checks only those under it (empty: its default).
+    layouts: tuple[str, ...] = ()
 
 
 # --- the mutations -------------------------------------------------------------------------------------------------
@@ -519,17 +521,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
              "merged_serving", _export_drops_a_tensor, needs_server=True),
     Mutation("lora-tp-all-reduce-missing", "row-parallel LoRA skips its tensor-parallel all-reduce", "qwen3",
-             "parallel_parity", _lora_row_reduce_missing),
+             "parallel_parity", _lora_row_reduce_missing, layouts=("tp2",)),
     Mutation("sp-lora-grads-unsynced", "sequence-parallel LoRA factors keep one sequence shard's gradient", "qwen3",
-             "parallel_parity", _sequence_parallel_grads_unsynced),
+             "parallel_parity", _sequence_parallel_grads_unsynced, layouts=("tp2-sp",)),
     Mutation("expert-shard-dropped", "the LoRA state keeps one expert-parallel rank's experts", "qwen3-moe",
-             "parallel_parity", lambda: _part_not_gathered("expert")),
+             "parallel_parity", lambda: _part_not_gathered("expert"), layouts=("ep2",)),
     Mutation("etp-lora-grad-unsummed", "expert-tensor-parallel LoRA keeps one shard's part of a replicated factor's "
-             "gradient", "qwen3-moe", "parallel_parity", _expert_tp_grad_unsummed),
+             "gradient", "qwen3-moe", "parallel_parity", _expert_tp_grad_unsummed, layouts=("etp2",)),
     Mutation("pipeline-stage-dropped", "the LoRA state (and its export) keeps one pipeline stage's layers", "qwen3",
-             "parallel_parity", lambda: _part_not_gathered("pipeline")),
+             "parallel_parity", lambda: _part_not_gathered("pipeline"), layouts=("pp2",)),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",
-             "parallel_parity", _context_keys_local),
+             "parallel_parity", _context_keys_local, layouts=("cp2",)),
     Mutation("gdn-chunk-state-not-decayed", "GDN kernel carries its state into the next 64-token chunk undecayed",
              "qwen3.5", "hf_parity", _gdn_chunk_state_not_decayed),
     Mutation("fc1-declares-gate-only", "the declaration's dense linear_fc1 target lists gate_proj, not up_proj",
@@ -545,7 +547,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("lora-dropout-in-train-mode", "a Dropout(p=0.1) in the LoRA branch, active in train mode", "qwen3",
              "lora_coverage", _lora_dropout_in_train_mode),
     Mutation("scoring-outside-pipeline-schedule", "token/group logprobs run the rank's own pipeline stage outside "
-             "the schedule", "qwen3", "parallel_parity", _scoring_outside_the_schedule),
+             "the schedule", "qwen3", "parallel_parity", _scoring_outside_the_schedule, layouts=("pp2",)),
     Mutation("lora-input-detached", "the LoRA branch takes x.detach(): no gradient through it into earlier layers",
              "qwen3", "lora_gradients", _lora_input_detached),
     Mutation("lora-b-grad-unscaled", "LoRA B's gradient misses the alpha / r scale (the forward is right)", "qwen3",
