@@ -85,6 +85,17 @@ def _left_after_polls(tmp_path: Path, check: subprocess.Popen[str]) -> list[str]
     return _cmdlines(left)
 
 
+def _store_port(procs: list[psutil.Process]) -> int:
+    """The port the parallel job's launcher hosts its ranks' rendezvous store on (it listens there)."""
+    for proc in procs:
+        try:
+            if "--world" in " ".join(proc.cmdline()):
+                return next(c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+        except (psutil.NoSuchProcess, StopIteration):
+            continue
+    raise AssertionError("no parallel job launcher listening")
+
+
 def _option(cmdlines: list[str], flag: str) -> int:
     """The value of ``flag`` (``--port 8000`` or ``--port=8000``) in the first command line that has it."""
     for line in cmdlines:
@@ -125,7 +136,7 @@ def test_sigterm_stops_the_parallel_job_and_its_ranks_and_removes_the_run(tmp_pa
     require_megatron()
     check = _start_check(tmp_path, "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2")
     procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
-    port = _option(_cmdlines(procs), "--master-port")
+    port = _store_port(procs)
     check.send_signal(signal.SIGTERM)
     assert _left_after_polls(tmp_path, check) == []
     assert not _listening(port)
@@ -137,7 +148,7 @@ def test_sigkill_takes_the_parallel_job_and_its_ranks_down_and_the_next_run_remo
     require_megatron()
     check = _start_check(tmp_path, "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2")
     procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
-    port = _option(_cmdlines(procs), "--master-port")
+    port = _store_port(procs)
     check.send_signal(signal.SIGKILL)
     check.wait()
     # The launcher sees its parent die: it kills the family itself.
@@ -182,7 +193,7 @@ def test_a_selftest_mutation_in_the_environment_does_not_reach_a_plain_check(tmp
     require_megatron()
     check = _start_check(
         tmp_path,
-        "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2",
+        "qwen3", "--tiny", "-s", "parallel_parity", "--alone", "--layouts", "tp2",
         env={"MODEL_SUPPORT_SELFTEST_MUTATION": "lora-tp-all-reduce-missing"},
     )  # fmt: skip
     check.wait(timeout=900)

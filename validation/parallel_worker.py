@@ -1,7 +1,7 @@
 """Worker of the ``parallel_parity`` stage: one job per handler, every layout in turn.
 
-Run as ``python -m model_support.validation.parallel_worker --world W --master-port P OUT MODEL_DIR HANDLER
-single,tp2,... [--mutation NAME]`` (W ranks forked from this process: see :func:`launch`; without ``--world``, one
+Run as ``python -m model_support.validation.parallel_worker --world W OUT MODEL_DIR HANDLER single,tp2,...
+[--mutation NAME]`` (W ranks forked from this process: see :func:`launch`; without ``--world``, one
 rank of a job another launcher such as ``torchrun`` started; ``--mutation``: the selftest's bug, which the stage
 passes on only while ``model-support selftest`` injects it in the parent). For each layout the job builds the model
 through the training-time API in that layout (the rest of the world is data parallel, every rank fed the same
@@ -206,7 +206,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("layouts", help="comma-separated, `single` first")
     parser.add_argument("--mutation", help="the selftest's bug to inject (passed on by the stage under selftest)")
     parser.add_argument("--world", type=int, help="start this many ranks as forks of this process (no torchrun)")
-    parser.add_argument("--master-port", type=int, help="the ranks' rendezvous port (with --world)")
     args = parser.parse_args(argv)
     if args.world is not None:
         launch(args)
@@ -218,20 +217,28 @@ def launch(args: argparse.Namespace) -> None:
     """Run ``args.world`` ranks as forks of this process, each with the variables torchrun would set: the ranks
     inherit the modules this process imported (torch, megatron-core, the bridge, transformers), seconds of CPU that
     each rank would spend importing them again. Forked before any rank touches CUDA, OpenMP or torch.distributed;
-    ``torch.multiprocessing`` ends the others when one fails."""
+    ``torch.multiprocessing`` ends the others when one fails.
+
+    This process hosts the ranks' rendezvous store, as torchrun's agent does (the ranks join it as clients:
+    ``TORCHELASTIC_USE_AGENT_STORE``), on a port the system gives it and holds from before the first rank starts: a
+    port chosen free and bound later by rank 0 could be taken in between (a vLLM server starting beside the job
+    took one: EADDRINUSE)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank, args=(args,), nprocs=args.world, start_method="fork")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    print(f"rendezvous store on 127.0.0.1:{store.port}", flush=True)
+    mp.start_processes(_rank, args=(args, store.port), nprocs=args.world, start_method="fork")
 
 
-def _rank(rank: int, args: argparse.Namespace) -> None:
+def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(args.world),
         LOCAL_WORLD_SIZE=str(args.world),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(args.master_port),
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     run(args)
 
@@ -258,7 +265,8 @@ def _run_reporting(out_dir: Path, model_dir: Path, handler_name: str, name: str)
         # others' errors usually only say that a peer went away.
         first = str(exc).splitlines()[0] if str(exc) else ""
         error = f"{type(exc).__name__}: {first}\n{traceback.format_exc()}"
-        (out_dir / f"{name}.rank{dist.get_rank()}.error").write_text(error)
+        rank = os.environ.get("RANK", "0")  # not dist.get_rank(): the error may be the process group's own start
+        (out_dir / f"{name}.rank{rank}.error").write_text(error)
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
 

@@ -34,7 +34,7 @@ LIMITS = {
 def test_default_layouts_match_the_single_rank_model(handler: str, layouts: tuple[str, ...], tmp_path: Path):
     require_megatron()
     report_path = tmp_path / "report.json"
-    result = run_cli("check", handler, "--tiny", "-s", "parallel_parity", "--json", str(report_path))
+    result = run_cli("check", handler, "--tiny", "-s", "parallel_parity", "--alone", "--json", str(report_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     verdict = {r["stage"]: r for r in json.loads(report_path.read_text())["results"]}["parallel_parity"]
     assert verdict["status"] == "pass", verdict

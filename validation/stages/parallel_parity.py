@@ -127,12 +127,10 @@ class ParallelParityStage(Stage):
         """The job over ``layouts`` (and the single-rank oracle), under the launcher: the job and its
         workers die with this process however it ends."""
         from model_support.core.serving.process import ManagedProcess
-        from model_support.core.serving.vllm_backend import free_port
         from model_support.validation.selftest import active_mutation
 
         world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
         cmd = [sys.executable, "-m", "model_support.validation.parallel_worker", f"--world={world}"]
-        cmd += [f"--master-port={free_port()}"]
         cmd += [str(self._out(ctx)), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
         mutation = active_mutation()
         if mutation is not None:  # `model-support selftest` injects its bug into the workers too
