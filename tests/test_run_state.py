@@ -171,3 +171,15 @@ def test_every_builtin_stage_declares_resources_whose_builders_declare_theirs() 
     provided = {r for s in stages for r in s.provides}
     unreachable = [r.name for r in declared if r.build is None and r not in provided]
     assert unreachable == []
+
+
+def test_a_value_that_fails_to_stop_does_not_keep_the_others_running(ctx: CheckContext) -> None:
+    def refuse(value: str) -> None:
+        raise RuntimeError(f"{value} will not stop")
+
+    stubborn: Resource[str] = Resource("stubborn", "its stop raises", _build("stubborn"), stop=refuse)
+    ctx.state.get(BASE)
+    ctx.state.get(stubborn)
+    with pytest.raises(RuntimeError, match=r"^stubborn of tiny will not stop$"):
+        ctx.state.close()
+    assert STOPPED == ["base of tiny"]

@@ -161,10 +161,17 @@ class RunState:
         return {r.name: o for r, o in self.origins.items() if o.stage == stage}
 
     def close(self) -> None:
-        """Stop every value that has a stop (servers, background jobs, child processes), the newest first."""
+        """Stop every value that has a stop (servers, background jobs, child processes), the newest first; one that
+        fails to stop does not keep the others running (the first error is raised after all were tried)."""
+        errors: list[BaseException] = []
         for resource in reversed(list(self._values)):
             if resource.stop is not None:
-                resource.stop(self._values.pop(resource))
+                try:
+                    resource.stop(self._values.pop(resource))
+                except Exception as exc:  # the rest are still stopped; raised below
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _who(self) -> str | None:
         return None if self._stage is None else self._stage.name
