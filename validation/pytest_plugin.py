@@ -17,8 +17,8 @@ Two ways to use it, both available as soon as model-support is installed:
 A target is a handler name or architecture (with ``tiny=True``: a tiny replica of its reference
 config), a config.json, or a model directory. A run is made once per target and shared by all
 the tests that ask for it. ``--model-support-stage NAME`` (repeatable) narrows every run to those
-stages and their prerequisites; ``--model-support-reports DIR`` writes each run's Markdown and JSON
-report there.
+stages and their prerequisites (``--model-support-alone``: those stages only);
+``--model-support-reports DIR`` writes each run's Markdown and JSON report there.
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class Harness:
 
     reports_dir: Path | None
     default_stages: tuple[str, ...]
+    alone: bool = False  # run the chosen stages without their prerequisites (``check --alone``)
     runs: dict[CheckRequest, Report | str] = field(default_factory=dict)
     _registry: Registry | None = None
     _stages: StageRegistry | None = None
@@ -164,13 +165,14 @@ class Harness:
 
         chosen = tuple(stages) if stages else self.default_stages
         chosen_layouts = parse_layouts(",".join(layouts)) if layouts else ()
-        return CheckRequest(str(target), tiny, chosen, seed, tuple(sorted((prefer or {}).items())), chosen_layouts)
+        preferred = tuple(sorted((prefer or {}).items()))
+        return CheckRequest(str(target), tiny, chosen, seed, preferred, chosen_layouts, self.alone and bool(chosen))
 
     def planned(self, request: CheckRequest) -> list[str]:
         """The stage names a run of ``request`` reports, in pipeline order."""
         from model_support.validation.runner import plan
 
-        return [s.name for s in plan(self.stages.classes(), list(request.stages) or None)]
+        return [s.name for s in plan(self.stages.classes(), list(request.stages) or None, alone=request.alone)]
 
     def run(self, request: CheckRequest, tmp: pytest.TempPathFactory) -> Report:
         """The report of ``request``; fails the calling test when the target cannot be checked at all."""
@@ -232,6 +234,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Run only this stage and its prerequisites (repeatable).",
     )
     group.addoption(
+        "--model-support-alone",
+        action="store_true",
+        help="Run the --model-support-stage stages without their prerequisites (check --alone).",
+    )
+    group.addoption(
         "--model-support-reports",
         default=None,
         metavar="DIR",
@@ -254,6 +261,7 @@ def _harness(config: pytest.Config) -> Harness:
         config.stash[_HARNESS] = Harness(
             reports_dir=Path(reports) if reports else None,
             default_stages=tuple(config.getoption("model_support_stage")),
+            alone=config.getoption("model_support_alone"),
         )
     return config.stash[_HARNESS]
 

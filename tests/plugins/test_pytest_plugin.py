@@ -161,3 +161,8 @@ def test_targets_come_from_the_marker_or_the_ini_option(tmp_path: Path, site: Pa
     assert collected.returncode == 0, collected.stdout + collected.stderr
     ids = [line.split("::")[1] for line in collected.stdout.splitlines() if "::test_stage[" in line]
     assert ids == [f"test_stage[{t}-{s}]" for t in ("qwen3", "qwen3-moe") for s in ("dependencies", "architecture")]
+    alone = run_pytest(
+        tmp_path, "--collect-only", "--model-support-stage", "architecture", "--model-support-alone", site=site
+    )
+    ids = [line.split("::")[1] for line in alone.stdout.splitlines() if "::test_stage[" in line]
+    assert ids == ["test_stage[qwen3-architecture]", "test_stage[qwen3-moe-architecture]"], alone.stdout
