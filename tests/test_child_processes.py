@@ -85,15 +85,29 @@ def _left_after_polls(tmp_path: Path, check: subprocess.Popen[str]) -> list[str]
     return _cmdlines(left)
 
 
-def _store_port(procs: list[psutil.Process]) -> int:
-    """The port the parallel job's launcher hosts its ranks' rendezvous store on (it listens there)."""
+def _listening_ports(procs: list[psutil.Process]) -> list[int]:
+    """The ports the parallel job's processes (launcher and ranks: ``--world`` in their command line) listen on."""
+    ports = []
     for proc in procs:
         try:
             if "--world" in " ".join(proc.cmdline()):
-                return next(c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
-        except (psutil.NoSuchProcess, StopIteration):
+                ports += [c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
             continue
-    raise AssertionError("no parallel job launcher listening")
+    return ports
+
+
+def _job_port(check: subprocess.Popen[str], tmp_path: Path) -> int:
+    """A port the parallel job listens on (rank 0's rendezvous store, bound once the ranks are up, or a rank's gloo
+    connections), polled for."""
+    procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
+    for _ in range(STARTUP_POLLS):
+        ports = _listening_ports(procs)
+        if ports:
+            return ports[0]
+        time.sleep(0.1)
+        procs = _run_processes(tmp_path)
+    pytest.fail("no process of the parallel job listens")
 
 
 def _option(cmdlines: list[str], flag: str) -> int:
@@ -135,8 +149,7 @@ def _interrupted(tmp_path: Path, check: subprocess.Popen[str], sig: signal.Signa
 def test_sigterm_stops_the_parallel_job_and_its_ranks_and_removes_the_run(tmp_path: Path) -> None:
     require_megatron()
     check = _start_check(tmp_path, "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2")
-    procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
-    port = _store_port(procs)
+    port = _job_port(check, tmp_path)
     check.send_signal(signal.SIGTERM)
     assert _left_after_polls(tmp_path, check) == []
     assert not _listening(port)
@@ -147,8 +160,7 @@ def test_sigterm_stops_the_parallel_job_and_its_ranks_and_removes_the_run(tmp_pa
 def test_sigkill_takes_the_parallel_job_and_its_ranks_down_and_the_next_run_removes_the_run_dir(tmp_path: Path) -> None:
     require_megatron()
     check = _start_check(tmp_path, "qwen3", "--tiny", "-s", "parallel_parity", "--layouts", "tp2")
-    procs = _wait_for_children(check, tmp_path, _parallel_ranks_up)
-    port = _store_port(procs)
+    port = _job_port(check, tmp_path)
     check.send_signal(signal.SIGKILL)
     check.wait()
     # The launcher sees its parent die: it kills the family itself.

@@ -183,3 +183,45 @@ def test_a_value_that_fails_to_stop_does_not_keep_the_others_running(ctx: CheckC
     with pytest.raises(RuntimeError, match=r"^stubborn of tiny will not stop$"):
         ctx.state.close()
     assert STOPPED == ["base of tiny"]
+
+
+class PreparesSneakily(Stage):
+    """Its prepare starts what it does not declare: the stage fails where it runs, naming the declaration."""
+
+    name = "prepares_sneakily"
+    title = "Prepare reads base without declaring it."
+    order = 1
+
+    def prepare(self, ctx: CheckContext) -> None:
+        ctx.state.get(BASE)
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        return self.passed("ran")
+
+
+def test_an_undeclared_use_in_prepare_fails_the_stage(ctx: CheckContext) -> None:
+    (result,) = run_checks(ctx, plan([PreparesSneakily])).results
+    assert result.status.value == "fail"
+    assert result.summary == (
+        "stage prepares_sneakily used base, which it does not declare: add it to PreparesSneakily.needs"
+    )
+
+
+def test_a_build_is_timed_without_the_builds_nested_in_it(ctx: CheckContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_support.validation import state
+
+    now = [0.0]
+    monkeypatch.setattr(state.time, "perf_counter", lambda: now[0])
+
+    def slow_base(_ctx: CheckContext) -> str:
+        now[0] += 2.0
+        return "base"
+
+    def slow_derived(ctx: CheckContext) -> str:
+        now[0] += 1.0
+        return ctx.state.get(base) + "+1"
+
+    base: Resource[str] = Resource("base", "takes 2 s", slow_base)
+    derived: Resource[str] = Resource("derived", "takes 1 s besides base", slow_derived, uses=(base,))
+    assert ctx.state.get(derived) == "base+1"
+    assert ctx.state.origins[base].seconds == 2.0 and ctx.state.origins[derived].seconds == 1.0

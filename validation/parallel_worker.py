@@ -25,6 +25,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -216,28 +217,38 @@ def main(argv: list[str]) -> None:
 def launch(args: argparse.Namespace) -> None:
     """Run ``args.world`` ranks as forks of this process, each with the variables torchrun would set: the ranks
     inherit the modules this process imported (torch, megatron-core, the bridge, transformers), seconds of CPU that
-    each rank would spend importing them again. Forked before any rank touches CUDA, OpenMP or torch.distributed;
-    ``torch.multiprocessing`` ends the others when one fails.
+    each rank would spend importing them again. Forked before any rank touches CUDA, OpenMP or torch.distributed
+    (this process starts no thread of theirs); ``torch.multiprocessing`` ends the others when one fails.
 
-    This process hosts the ranks' rendezvous store, as torchrun's agent does (the ranks join it as clients:
-    ``TORCHELASTIC_USE_AGENT_STORE``), on a port the system gives it and holds from before the first rank starts: a
-    port chosen free and bound later by rank 0 could be taken in between (a vLLM server starting beside the job
-    took one: EADDRINUSE)."""
+    Rank 0 hosts the rendezvous store on a port the system gives it when it binds, and tells the others (which
+    join it as clients, ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's ranks join its agent's store): a port chosen
+    free beforehand could be taken before rank 0 bound it (a vLLM server starting beside the job took one:
+    EADDRINUSE)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    print(f"rendezvous store on 127.0.0.1:{store.port}", flush=True)
-    mp.start_processes(_rank, args=(args, store.port), nprocs=args.world, start_method="fork")
+    fork = multiprocessing.get_context("fork")
+    port, published = fork.Value("i", 0), fork.Event()
+    mp.start_processes(_rank, args=(args, port, published), nprocs=args.world, start_method="fork")
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+_STORE: list[dist.TCPStore] = []  # rank 0's rendezvous store, held for the job's life
+
+
+def _rank(rank: int, args: argparse.Namespace, port: Any, published: Any) -> None:
+    if rank == 0:
+        _STORE.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        port.value = _STORE[0].port
+        published.set()
+    published.wait()  # no timeout: if rank 0 dies first, torch.multiprocessing ends this rank
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(args.world),
         LOCAL_WORLD_SIZE=str(args.world),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(port.value),
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     run(args)

@@ -18,6 +18,7 @@ from model_support.core.precision import exact_fp32
 from model_support.validation.context import CheckContext
 from model_support.validation.memory import MemoryProbe
 from model_support.validation.stage import Stage, StageResult, Status
+from model_support.validation.state import UndeclaredResourceError
 
 REPORTED_PACKAGES = ("model-support", "torch", "transformers", "megatron-core", "megatron-bridge", "peft")
 
@@ -114,7 +115,11 @@ def _not_applicable(stage: Stage, ctx: CheckContext) -> str | None:
     return stage.skip_reason(ctx)
 
 
-def _run_one(stage: Stage, ctx: CheckContext, done: dict[str, StageResult], planned: set[str]) -> StageResult:
+def _run_one(
+    stage: Stage, ctx: CheckContext, done: dict[str, StageResult], planned: set[str], misdeclared: dict[str, str]
+) -> StageResult:
+    if stage.name in misdeclared:  # its prepare used a resource it does not declare: a bug in the stage
+        return stage.failed(misdeclared[stage.name])
     unchecked = [req for req in type(stage).requires if req not in planned]
     for req in type(stage).requires:
         prior = done.get(req)
@@ -171,18 +176,19 @@ def run_checks(
     )
     done: dict[str, StageResult] = {}
     planned = {stage.name for stage in stages}
+    misdeclared: dict[str, str] = {}  # stage -> the declaration error its prepare raised
     try:
         # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
         with exact_fp32(ctx.dtype == "fp32"):
             for index, stage_cls in enumerate(stages):
                 # Before each stage, the stages still to run may start background work (again: what an earlier
                 # stage built, such as a trained adapter, may let them start more).
-                _prepare(ctx, stages[index:])
+                _prepare(ctx, stages[index:], misdeclared)
                 # Indented like the check's line per finished stage, which also says how it ended.
                 with progress.step(stage_cls.name, indent=2, end_line=False), MemoryProbe() as memory:
                     with timing.measuring() as clock:
                         start = time.perf_counter()
-                        result = _run_one(stage_cls(), ctx, done, planned)
+                        result = _run_one(stage_cls(), ctx, done, planned, misdeclared)
                         result.duration_s = time.perf_counter() - start
                     result.time_split = clock.split(result.duration_s)
                 memory.record(result)
@@ -198,13 +204,16 @@ def run_checks(
     return report
 
 
-def _prepare(ctx: CheckContext, stages: Sequence[type[Stage]]) -> None:
-    """Let each of ``stages`` that applies start its slow background work (``Stage.prepare``)."""
+def _prepare(ctx: CheckContext, stages: Sequence[type[Stage]], misdeclared: dict[str, str]) -> None:
+    """Let each of ``stages`` that applies start its slow background work (``Stage.prepare``). A use of a resource
+    the stage does not declare is kept in ``misdeclared``, and fails the stage where it runs."""
     for stage_cls in stages:
         stage = stage_cls()
         if not _not_applicable(stage, ctx):
             try:
                 with ctx.state.acting(stage_cls, "prepare"):
                     stage.prepare(ctx)
+            except UndeclaredResourceError as exc:
+                misdeclared.setdefault(stage_cls.name, str(exc))
             except ModelSupportError:  # raised again, and reported, where the stage's run waits for that work
                 continue

@@ -2,8 +2,9 @@
 
 A check that no bug can break proves nothing. Each `Mutation` patches one function or method of this
 project at run time (``unittest.mock.patch``: the code under test is the real one, with one thing wrong), runs
-``check --tiny`` of one built-in handler over the stage that must catch it (and that stage's prerequisites), and
-records whether that stage failed. The same stages, unpatched, must pass: a clean run is part of the selftest.
+``check --tiny --stage S --alone`` of one built-in handler: the stage S that must catch it, without its
+prerequisites (under the parallel layout the bug lives in, where it names one), and records whether S failed. The
+same stages, unpatched, must pass the same way: a clean run is part of the selftest.
 Mutations that need a vLLM server skip where no runtime is installed. CI runs the selftest, so a stage that stops
 being able to fail breaks CI.
 """

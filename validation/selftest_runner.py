@@ -30,12 +30,13 @@ class Outcome:
     ok: bool
 
 
-def _stage_results(handler: str, stages: tuple[str, ...], workdir: Path, layouts: tuple[str, ...]) -> dict[str, Any]:
-    """Each of ``stages`` run alone (no prerequisites) in one check of ``handler``'s tiny replica, by name."""
+def _stage_result(handler: str, stage: str, workdir: Path, layouts: tuple[str, ...]) -> Any:
+    """``stage`` run alone (no prerequisites) on ``handler``'s tiny replica, under ``layouts``."""
     from model_support.validation.pytest_plugin import CheckRequest, run_check
 
-    request = CheckRequest(target=handler, tiny=True, stages=stages, layouts=layouts, alone=True)
-    return {r.stage: r for r in run_check(request, workdir).results}
+    request = CheckRequest(target=handler, tiny=True, stages=(stage,), layouts=layouts, alone=True)
+    (result,) = run_check(request, workdir).results
+    return result
 
 
 def run_selftest(
@@ -58,29 +59,23 @@ def run_selftest(
         if on_outcome is not None:
             on_outcome(outcome)
 
-    # The clean runs: one check per handler of every stage its mutations must fail (they share the run's model and
-    # server, as in a whole check), under every layout those mutations run in (the default where one names none).
-    stages: dict[str, dict[str, None]] = {}
-    layouts: dict[str, tuple[str, ...] | None] = {}
+    # One clean run per (handler, stage), as its mutations run (that stage alone: it builds its own inputs, e.g. the
+    # random adapter where no lora_coverage ran), under every layout they run in (the default where one names none).
+    clean: dict[tuple[str, str], tuple[str, ...] | None] = {}
     for m in chosen:
         if not (m.needs_server and no_server):
-            stages.setdefault(m.handler, {})[m.stage] = None
-            if m.stage == "parallel_parity":
-                before = layouts.get(m.handler, ())
-                layouts[m.handler] = None if before is None or not m.layouts else (*before, *m.layouts)
-    for handler, names in stages.items():
-        asked = tuple(dict.fromkeys(layouts.get(handler) or ()))
-        results = _stage_results(handler, tuple(names), workdir / f"clean-{handler}", asked)
-        for stage in names:
-            result = results[stage]
-            ok = result.status == "pass"
-            record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, ok))
+            before = clean.get((m.handler, m.stage), ())
+            clean[(m.handler, m.stage)] = None if before is None or not m.layouts else (*before, *m.layouts)
+    for (handler, stage), layouts in clean.items():
+        asked = tuple(dict.fromkeys(layouts or ()))
+        result = _stage_result(handler, stage, workdir / f"clean-{handler}-{stage}", asked)
+        record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, result.status == "pass"))
     for m in chosen:
         if m.needs_server and no_server:
             record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
             continue
         with selftest.injected(m.name):
-            result = _stage_results(m.handler, (m.stage,), workdir / m.name, m.layouts)[m.stage]
+            result = _stage_result(m.handler, m.stage, workdir / m.name, m.layouts)
         record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
     return outcomes
 

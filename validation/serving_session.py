@@ -8,9 +8,10 @@ each training step (``@2`` ...). The ``server`` resource records what the server
 needs other weights pushes them. The server is stopped when the run ends (and reaped when its process exits).
 
 The *policy* is base + one LoRA adapter: the adapter the Megatron trainer wrote in ``lora_coverage`` when that
-ran (the ``trained_adapter`` resource, ``validation/resources.py``), else a seeded random LoRA on the Megatron model
-exported through the API (``random_adapter``). Trainer-side log-probabilities come from the Megatron model carrying
-that adapter; transformers (fp32, adapter merged, streamed one decoder layer at a time) is the second reference.
+ran (the ``trained_adapter`` resource of ``validation/megatron_session.py``), else a seeded random LoRA on the
+Megatron model exported through the API (``random_adapter``). Trainer-side log-probabilities come from the Megatron
+model carrying that adapter; transformers (fp32, adapter merged, streamed one decoder layer at a time) is the second
+reference.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class MissingResourceError(ModelSupportError):
 @dataclass(frozen=True)
 class Origin:
     """Who made a resource's value: the stage (``None``: outside any stage), in its ``prepare`` or ``run``, whether
-    the stage set it itself (``provided``) or the state built it for the stage, and the seconds building took."""
+    the stage set it itself (``provided``) or the state built it for the stage, and the seconds building took (not
+    counting the resources built for it on the way, which have their own)."""
 
     stage: str | None
     phase: str
@@ -89,6 +90,7 @@ class RunState:
         self._stage: type[Declaring] | None = None
         self._phase = "run"
         self._building: list[Resource[Any]] = []
+        self._nested_s: list[float] = []  # per build in progress: seconds its nested builds took (counted there)
 
     @contextmanager
     def acting(self, stage: type[Declaring], phase: str) -> Iterator[None]:
@@ -129,12 +131,17 @@ class RunState:
                 )
             start = time.perf_counter()
             self._building.append(resource)
+            self._nested_s.append(0.0)
             try:
                 value = resource.build(self._ctx)
             finally:
                 self._building.pop()
+                nested = self._nested_s.pop()
+            took = time.perf_counter() - start
+            if self._nested_s:  # this build ran inside another: its seconds are not that one's too
+                self._nested_s[-1] += took
             self._values[resource] = value
-            self.origins[resource] = Origin(self._who(), self._phase, False, time.perf_counter() - start)
+            self.origins[resource] = Origin(self._who(), self._phase, False, took - nested)
         return cast(T, self._values[resource])
 
     def find[T](self, resource: Resource[T]) -> T | None:
