@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from model_support.validation.state import Resource, RunState
+from model_support.validation.state import Resource, RunState, stop_value
 
 # Limits of one rendering of the check's conversations by a checkpoint's chat template (CheckContext.chat_prompts).
 CHAT_RENDER_LIMIT_S = 60  # loading the tokenizer included
@@ -170,14 +170,10 @@ def _load_tokenizer(ctx: CheckContext) -> Any:
     return tokenizer
 
 
-def _stop_renderer(renderer: ChatRenderer) -> None:
-    renderer.stop()
-
-
 TOKENIZER: Resource[Any] = Resource("tokenizer", "the checkpoint's tokenizer", _load_tokenizer)
 CHAT_RENDERER: Resource[ChatRenderer] = Resource(
     "chat_renderer",
     "a child process rendering conversations with the checkpoint's chat template (CheckContext.chat_prompts)",
     lambda ctx: ChatRenderer(ctx.model_dir).start(),
-    stop=_stop_renderer,
+    stop=stop_value,
 )

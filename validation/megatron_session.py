@@ -92,11 +92,7 @@ def _measure_reference_lowp(ctx: Any) -> dict[str, float] | None:
     dtype = ctx.state.get(TRAINING_MODEL).built.numerics.dtype
     if dtype == torch.float32:
         return None
-    moe, lowps = ctx.layout.moe is not None, []
-    for _, tokens in parity_rows(ctx):
-        ref = hf_reference(ctx).forward(tokens, routers=moe)
-        lowps.append(reference_lowp(ctx, dtype, tokens, ref.logits, routing=[r.indices for r in ref.routers]))
-    return worst_lowp(lowps)
+    return worst_lowp([reference_and_lowp(ctx, dtype, tokens)[2] for _, tokens in parity_rows(ctx)])
 
 
 REFERENCE_LOWP_ERROR: Resource[dict[str, float] | None] = Resource(
@@ -147,23 +143,20 @@ def random_tokens(ctx: Any, shape: tuple[int, ...], offset: int = 0) -> torch.Te
     return torch.randint(0, vocab, shape, generator=gen)
 
 
-def reference_lowp(
-    ctx: Any,
-    dtype: torch.dtype,
-    tokens: torch.Tensor,
-    fp32_logits: torch.Tensor,
-    *,
-    adapter: Any = None,
-    routing: list[torch.Tensor] | None = None,
-) -> dict[str, float] | None:
-    """How far transformers' own ``dtype`` run lands from its fp32 run on ``tokens`` (``None`` for fp32).
+def reference_and_lowp(
+    ctx: Any, dtype: torch.dtype, tokens: torch.Tensor, *, adapter: Any = None
+) -> tuple[Any, list[torch.Tensor], dict[str, float] | None]:
+    """The fp32 reference's run on ``tokens`` (carrying ``adapter``; MoE routers recorded), its routing, and how far
+    transformers' own ``dtype`` run lands from it (``None`` for fp32).
 
-    Same weights (and ``adapter``), same routing (``routing`` replayed): the rounding error a correct
-    ``dtype`` implementation of the model has, which the model under test is held to a multiple of.
+    Same weights (and ``adapter``), same routing (replayed): the rounding error a correct ``dtype`` implementation
+    of the model has, which the model under test is held to a multiple of.
     """
     from model_support.core.megatron.compare import closeness
 
+    ref = hf_reference(ctx).forward(tokens, adapter=adapter, routers=ctx.layout.moe is not None)
+    routing = [r.indices for r in ref.routers]
     if dtype == torch.float32:
-        return None
+        return ref, routing, None
     low = hf_reference(ctx, dtype).forward(tokens, adapter=adapter, replay=routing or None)
-    return closeness(low.logits, fp32_logits)
+    return ref, routing, closeness(low.logits, ref.logits)

@@ -28,13 +28,11 @@ def compare_with_reference(
     """
     from model_support.core.megatron.compare import closeness, replayed_routing, routing_agreement, tolerances
     from model_support.core.megatron.forward import logits
-    from model_support.validation.megatron_session import hf_reference, reference_lowp
+    from model_support.validation.megatron_session import reference_and_lowp
 
     moe = ctx.layout.moe is not None
-    ref = hf_reference(ctx).forward(tokens, adapter=adapter, routers=moe)
-    routing = [r.indices for r in ref.routers]
     model, dtype = built.model, built.numerics.dtype
-    lowp = reference_lowp(ctx, dtype, tokens, ref.logits, adapter=adapter, routing=routing)
+    ref, routing, lowp = reference_and_lowp(ctx, dtype, tokens, adapter=adapter)
     metrics: dict[str, Any] = {f"{prefix}tokens": tokens.numel()}
     metrics |= {f"{prefix}reference_{built.numerics.dtype_name}_{k}": v for k, v in (lowp or {}).items()}
     thresholds = tolerances(dtype, prefix=prefix, reference_lowp=lowp)

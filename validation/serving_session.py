@@ -30,8 +30,8 @@ from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import load_runtime
 from model_support.core.validate import TargetCoverageError, adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import HF_REFERENCES, LORA, LORA_RANK, TRAINED_ADAPTER, TRAINING_MODEL
-from model_support.validation.state import Resource
+from model_support.validation.megatron_session import LORA, LORA_RANK, TRAINED_ADAPTER, TRAINING_MODEL, hf_reference
+from model_support.validation.state import Resource, stop_value
 
 # Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
 # build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
@@ -100,6 +100,9 @@ class SharedServer:
     server: Server
     holds: str = "base"
 
+    def stop(self) -> None:
+        self.server.stop()
+
 
 def _start_on_base(ctx: CheckContext, served_name: str, lora: bool, log_name: str) -> Server:
     """A server on the base checkpoint, started and not waited for (a stage's ``prepare`` starts it while earlier
@@ -128,23 +131,19 @@ def _start_policy_server(ctx: CheckContext) -> Server:
     return backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
 
 
-def _stop_server(server: Server) -> None:
-    server.stop()
-
-
 SERVER: Resource[SharedServer] = Resource(
     "server",
     "the run's one vLLM server, started on the base checkpoint as `<handler>@0` (LoRA on where the build can serve "
     "the handler's adapter natively), and the weights it holds now",
     _start_shared,
-    stop=lambda shared: shared.server.stop(),
+    stop=stop_value,
 )
 LORA_SERVER: Resource[Server] = Resource(
     "lora_server",
     "a LoRA-enabled server of native_vllm_lora's own on the base checkpoint (`<handler>-base`), where the shared "
     "one runs no LoRA (lora_gap)",
     lambda ctx: _start_on_base(ctx, f"{ctx.spec.name}-base", True, "vllm-lora.log"),
-    stop=_stop_server,
+    stop=stop_value,
 )
 RANDOM_ADAPTER: Resource[Path] = Resource(
     "random_adapter",
@@ -161,7 +160,7 @@ POLICY_SERVER: Resource[Server] = Resource(
     "where the build cannot take weights in place (inplace_gap)",
     _start_policy_server,
     uses=POLICY,
-    stop=_stop_server,
+    stop=stop_value,
 )
 
 
@@ -265,7 +264,7 @@ def trainer_logprobs(
     each sequence."""
     from model_support.core.megatron.hf_reference import adapter_deltas
 
-    reference, deltas = ctx.state.get(HF_REFERENCES).in_dtype(dtype), adapter_deltas(adapter)
+    reference, deltas = hf_reference(ctx, dtype), adapter_deltas(adapter)
     by_length: dict[int, list[int]] = {}
     for i, seq in enumerate(sequences):
         by_length.setdefault(len(seq), []).append(i)

@@ -42,6 +42,11 @@ class Declaring(Protocol):
     provides: ClassVar[tuple[Resource[Any], ...]]
 
 
+def stop_value(value: Any) -> None:
+    """A resource's ``stop`` for a value that stops itself (a server, a child process, a job)."""
+    value.stop()
+
+
 class UndeclaredResourceError(ModelSupportError):
     """A stage or builder used a resource it does not declare: a bug in that stage's or resource's declaration."""
 

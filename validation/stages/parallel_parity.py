@@ -14,20 +14,16 @@ from model_support.core.parallel import ParallelLayout
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
-from model_support.validation.state import Resource
+from model_support.validation.state import Resource, stop_value
 
 if TYPE_CHECKING:
     from model_support.core.serving.process import ManagedProcess
 
 
-def _stop_job(job: ManagedProcess) -> None:
-    job.stop()
-
-
 JOB: Resource[ManagedProcess] = Resource(
     "parallel_job",
     "parallel_parity's ranks and single-rank oracle, one job started by its prepare while earlier stages run",
-    stop=_stop_job,
+    stop=stop_value,
 )
 
 # Layouts checked when the run names none, on world sizes 2 and 4: tensor (with and without sequence parallel),
@@ -121,11 +117,11 @@ class ParallelParityStage(Stage):
         """Start the job: it reads only the checkpoint, so it runs while the stages before this one do."""
         layouts, _ = self._layouts(ctx)
         if layouts and ctx.state.find(JOB) is None:
-            ctx.state.set(JOB, self._start(ctx, layouts))
+            self._start(ctx, layouts)
 
     def _start(self, ctx: CheckContext, layouts: list[str]) -> ManagedProcess:
-        """The job over ``layouts`` (and the single-rank oracle), under the launcher: the job and its
-        workers die with this process however it ends."""
+        """The job over ``layouts`` (and the single-rank oracle), under the launcher, kept in the run state: the job
+        and its workers die with this process however it ends."""
         from model_support.core.serving.process import ManagedProcess
         from model_support.validation.selftest import active_mutation
 
@@ -138,7 +134,9 @@ class ParallelParityStage(Stage):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if torch.cuda.device_count() < world:  # one process per GPU, or all on the CPU (gloo)
             env["CUDA_VISIBLE_DEVICES"] = ""
-        return ManagedProcess(Path(sys.executable), cmd, env=env, log_path=ctx.workdir / "parallel-parity.log").start()
+        job = ManagedProcess(Path(sys.executable), cmd, env=env, log_path=ctx.workdir / "parallel-parity.log").start()
+        ctx.state.set(JOB, job)
+        return job
 
     @staticmethod
     def _out(ctx: CheckContext) -> Path:
@@ -155,10 +153,7 @@ class ParallelParityStage(Stage):
         world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
         out, log = self._out(ctx), ctx.workdir / "parallel-parity.log"
         gpus = torch.cuda.device_count()
-        job = ctx.state.find(JOB)
-        if job is None:  # prepare did not start it
-            job = self._start(ctx, layouts)
-            ctx.state.set(JOB, job)
+        job = ctx.state.find(JOB) or self._start(ctx, layouts)  # prepare may not have started it
         try:
             exit_code = job.wait(self.timeout_s)
         finally:
