@@ -23,6 +23,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,14 +123,20 @@ def build_model(
     config: Any = None,
     parallel: ParallelLayout | None = None,
     dtype: torch.dtype | None = None,
+    timeout: timedelta | None = None,
 ) -> TrainingModel:
     """Build the language model of ``model_dir`` in megatron-core and load its weights through megatron-bridge.
 
     ``dtype`` defaults to the device's training dtype (bf16 on a GPU, fp32 on a CPU). Gated DeltaNet layers run
     on the kernel the handler's runtime policy selects; MTP layers are built only when the policy keeps them
     for training. ``handler`` and ``config`` default to :func:`resolve` and the directory's config.
+
+    Under a launcher each rank builds on the GPU its ``LOCAL_RANK`` names. ``timeout`` bounds every collective of
+    the process groups this call sets up (a peer that never arrives ends the wait with an error instead of a hang);
+    a caller that initialised torch.distributed itself keeps its own timeout.
     """
     from model_support.core.megatron.builder import build_megatron_model, choose_numerics
+    from model_support.core.megatron.dist import init_parallel
 
     source = locate(str(model_dir))
     handler = handler or _resolve_source(source, load_registry())
@@ -140,6 +147,7 @@ def build_model(
     if refused:
         raise ParallelLayoutError(f"{handler.spec.name} cannot train in {parallel.name}: {refused}")
     runtime = handler.spec.runtime
+    init_parallel(parallel, timeout=timeout)  # first: it makes this rank's GPU the current device
     numerics = choose_numerics(runtime.gdn_backend, dtype=dtype)
     mtp = bool(layout.mtp_layers) and not runtime.disable_mtp_for_training
     built = build_megatron_model(

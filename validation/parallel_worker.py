@@ -14,16 +14,18 @@ shared-prefix rows (a prompt and three completions each; not under context paral
 for packed rows), the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout),
 and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are
 from rank 0's. ``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other
-layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error``.
+layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +52,49 @@ BATCH = 2
 SPLIT = 16
 MICRO_BATCHES = 2  # more than one, so a pipeline schedule interleaves them
 SHARED_ROW = (10, (6, 4, 6))  # a prompt and its completions in one row (26 tokens: even, for TP)
+# A rank that stalls without raising (a deadlock, a lost peer) fails its collectives after this; the longest
+# legitimate wait is a peer building its model (a real-width pipeline stage loading from disk).
+COLLECTIVE_TIMEOUT_S = 600.0
+GRACE_S = 3.0  # how long the other ranks get to end by themselves once one has failed
+FAILURE_FILE = "job.failure"  # the launcher's word on which rank failed first
 
 
 def _layout(name: str) -> ParallelLayout:
     return ParallelLayout() if name == "single" else ParallelLayout.parse(name)
+
+
+def parse_run(token: str) -> tuple[str, torch.dtype]:
+    """A run of the job: ``tp2`` (the layout in fp32) or ``tp2.bf16`` (in bf16) -> (layout, dtype)."""
+    name, _, dtype = token.partition(".")
+    if dtype not in ("", "bf16"):
+        raise ValueError(f"run {token!r}: the dtype after the layout is bf16 or nothing (fp32)")
+    return name, torch.bfloat16 if dtype else torch.float32
+
+
+def _dtypes_and_rounding(chunks: list[torch.nn.Module]) -> tuple[dict[str, list[str]], torch.Tensor]:
+    """(every parameter's dtype and every LoRA gradient's, by single-rank name, as every rank holds them; how many
+    LoRA gradients are bf16 values stored in fp32). A gradient reduced or accumulated in bf16 is the only way an fp32
+    gradient of 16 or more nonzero elements holds bf16 values alone (by chance: 2^-16 an element)."""
+    mine: dict[str, str] = {}
+    rounded = 0
+    for chunk in chunks:
+        for local, param in chunk.named_parameters():
+            name = global_name(chunk, local)
+            mine[name] = str(param.dtype).removeprefix("torch.")
+            grad = param.grad
+            if param.requires_grad and grad is not None:
+                mine[f"{name}.grad"] = str(grad.dtype).removeprefix("torch.")
+                if grad.numel() >= 16 and bool(grad.any()) and torch.equal(grad, grad.bfloat16().to(grad.dtype)):
+                    rounded += 1
+    parts: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, mine)
+    seen: dict[str, set[str]] = {}
+    for part in parts:
+        for name, dtype in part.items():
+            seen.setdefault(name, set()).add(dtype)
+    count = torch.tensor(float(rounded), device=next(chunks[0].parameters()).device)
+    dist.all_reduce(count)
+    return {name: sorted(dtypes) for name, dtypes in seen.items()}, count.cpu().reshape(1)
 
 
 def _router_topk(chunks: list[torch.nn.Module]) -> tuple[dict[str, list[torch.Tensor]], list]:
@@ -138,12 +179,14 @@ def _scored(model: api.TrainingModel) -> dict[str, torch.Tensor]:
     return rows | {"logprobs_rank_spread": spread.reshape(1)}
 
 
-def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> None:
+def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, timeout: timedelta | None = None) -> None:
+    """One run of the job (``token``: a layout, in fp32 or with ``.bf16`` in bf16; see :func:`parse_run`)."""
     from megatron.core import parallel_state
 
+    name, dtype = parse_run(token)
     layout = _layout(name)
     handler = load_registry().get(handler_name)
-    model = api.build_model(model_dir, handler=handler, parallel=layout, dtype=torch.float32)
+    model = api.build_model(model_dir, handler=handler, parallel=layout, dtype=dtype, timeout=timeout)
     api.apply_lora(model, rank=4, alpha=8.0, seed=SEED)
     chunks = model.chunks
     # apply_lora's seed draws one canonical adapter in every layout: its export must match the oracle's bit for bit.
@@ -158,6 +201,7 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> 
     for handle in handles:
         handle.remove()
     api.reduce_lora_grads(model)
+    dtypes, rounded = _dtypes_and_rounding(chunks)
     with torch.no_grad():
         for chunk in chunks:
             for param in chunk.parameters():
@@ -193,8 +237,12 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> 
         tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}
         tensors |= topk | {f"merged.{k}": v for k, v in merged.items()} | {f"fresh.{k}": v for k, v in fresh.items()}
-        tensors |= scored
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"{name}.safetensors"))
+        tensors |= scored | {"grads_rounded_to_bf16": rounded}
+        # safetensors' metadata holds strings only: the dtypes travel as one JSON string.
+        metadata = {"dtypes": json.dumps(dtypes)}
+        save_file(
+            {k: v.contiguous().cpu() for k, v in tensors.items()}, str(out_dir / f"{token}.safetensors"), metadata
+        )
     dist.barrier()
     parallel_state.destroy_model_parallel()
 
@@ -204,9 +252,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("handler")
-    parser.add_argument("layouts", help="comma-separated, `single` first")
+    parser.add_argument("layouts", help="comma-separated runs, `single` first: a layout, `.bf16` after it for bf16")
     parser.add_argument("--mutation", help="the selftest's bug to inject (passed on by the stage under selftest)")
     parser.add_argument("--world", type=int, help="start this many ranks as forks of this process (no torchrun)")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=COLLECTIVE_TIMEOUT_S,
+        help="seconds any collective may wait for its peers before the job fails",
+    )
     args = parser.parse_args(argv)
     if args.world is not None:
         launch(args)
@@ -218,7 +272,11 @@ def launch(args: argparse.Namespace) -> None:
     """Run ``args.world`` ranks as forks of this process, each with the variables torchrun would set: the ranks
     inherit the modules this process imported (torch, megatron-core, the bridge, transformers), seconds of CPU that
     each rank would spend importing them again. Forked before any rank touches CUDA, OpenMP or torch.distributed
-    (this process starts no thread of theirs); ``torch.multiprocessing`` ends the others when one fails.
+    (this process starts no thread of theirs).
+
+    The first rank to exit non-zero ends the job, as torchrun's agent does: the others get ``GRACE_S`` seconds,
+    then SIGTERM, then SIGKILL (a rank waiting in a collective for the failed one never returns by itself). Exit
+    status 1, the failed rank's error in ``OUT/<layout>.rank<R>.error``.
 
     Rank 0 hosts the rendezvous store on a port the system gives it when it binds, and tells the others (which
     join it as clients, ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's ranks join its agent's store): a port chosen
@@ -227,10 +285,22 @@ def launch(args: argparse.Namespace) -> None:
     import multiprocessing
 
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     fork = multiprocessing.get_context("fork")
     port, published = fork.Value("i", 0), fork.Event()
-    mp.start_processes(_rank, args=(args, port, published), nprocs=args.world, start_method="fork")
+    context = mp.start_processes(
+        _rank, args=(args, port, published), nprocs=args.world, start_method="fork", join=False
+    )
+    try:
+        while not context.join(grace_period=GRACE_S):
+            pass
+    except ProcessException as exc:
+        line = f"rank {exc.error_index}: {str(exc).splitlines()[0]}"
+        # The first rank to fail, for the stage: one that died of a signal wrote no error of its own.
+        (args.out_dir / FAILURE_FILE).write_text(json.dumps({"rank": exc.error_index, "line": line}))
+        print(f"parallel_worker: the job ended: {line}")
+        sys.exit(1)
 
 
 _STORE: list[dist.TCPStore] = []  # rank 0's rendezvous store, held for the job's life
@@ -255,31 +325,38 @@ def _rank(rank: int, args: argparse.Namespace, port: Any, published: Any) -> Non
 
 
 def run(args: argparse.Namespace) -> None:
-    """This rank's part of every layout in ``args.layouts``."""
+    """This rank's part of every layout in ``args.layouts``, in order; the first error ends this rank (exit 1,
+    see :func:`_fail`), and with it the job."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(exact_fp32())  # the layouts are built in fp32 and held to fixed fp32 tolerances
         if args.mutation:
             stack.enter_context(injected(args.mutation))
         for name in args.layouts.split(","):
-            _run_reporting(args.out_dir, args.model_dir, args.handler, name)
+            try:
+                run_layout(args.out_dir, args.model_dir, args.handler, name, timedelta(seconds=args.collective_timeout))
+            except Exception as exc:  # reported, then the job ends
+                _fail(args.out_dir, name, exc)
 
 
-def _run_reporting(out_dir: Path, model_dir: Path, handler_name: str, name: str) -> None:
-    """Run one layout; a rank's error is written to ``OUT/<layout>.rank<R>.error`` (the other layouts still run)."""
-    try:
-        run_layout(out_dir, model_dir, handler_name, name)
-    except Exception as exc:  # reported per layout; the others still run
-        from megatron.core import parallel_state
+def _fail(out_dir: Path, name: str, exc: Exception) -> None:
+    """Write this rank's error for layout ``name`` to ``OUT/<layout>.rank<R>.error`` and leave at once (exit 1).
 
-        # The error line first, then the traceback for the log. The first rank to fail holds the cause; the
-        # others' errors usually only say that a peer went away.
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        error = f"{type(exc).__name__}: {first}\n{traceback.format_exc()}"
-        rank = os.environ.get("RANK", "0")  # not dist.get_rank(): the error may be the process group's own start
-        (out_dir / f"{name}.rank{rank}.error").write_text(error)
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+    A rank that goes on after an error leaves its peers waiting in a collective it will never join (the next
+    layout's group setup on one rank, the last layout's all-reduce on another): nothing in torch.distributed ends
+    that wait short of the group's timeout. So the rank exits, and the launcher (this module's, or torchrun's agent)
+    ends the others; the stage starts the layouts left in a new job. ``os._exit``: interpreter shutdown would wait
+    on the process group's pending work, which a failed peer never completes."""
+    # The error line first, then the traceback for the log. The first rank to fail holds the cause; the others'
+    # errors usually only say that a peer went away.
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    error = f"{type(exc).__name__}: {first}\n{traceback.format_exc()}"
+    rank = os.environ.get("RANK", "0")  # not dist.get_rank(): the error may be the process group's own start
+    (out_dir / f"{name}.rank{rank}.error").write_text(error)
+    print(f"rank {rank}, layout {name}: {error}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class CheckRequest:
     layouts: tuple[str, ...] = ()
     # Run ``stages`` without their prerequisites (``check --alone``).
     alone: bool = False
+    # The Megatron model's dtype (``check --dtype``: "bf16" or "fp32"); None: the device's.
+    dtype: str | None = None
 
     @property
     def label(self) -> str:
@@ -99,6 +101,7 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
         tiny=request.tiny,
         seed=request.seed,
         layouts=request.layouts or None,
+        dtype=request.dtype,
     )
     return run_checks(ctx, stages)
 

@@ -310,8 +310,9 @@ def _state_section(stages: list[type[Stage]]) -> list[str]:
     return lines + _table(("resource", "what it is", "made", "read by"), rows)
 
 
-def _in(layouts: tuple[str, ...]) -> str:
-    return f" in {', '.join(layouts)}" if layouts else ""
+def _in(layouts: tuple[str, ...], dtype: str | None) -> str:
+    where = f" in {', '.join(layouts)}" if layouts else ""
+    return where + (f", {dtype}" if dtype else "")
 
 
 def _selftest_section() -> list[str]:
@@ -329,7 +330,12 @@ def _selftest_section() -> list[str]:
         "",
     ]
     rows = [
-        (f"`{m.name}`", m.bug, m.handler, f"`{m.stage}`" + (" (vLLM)" if m.needs_server else "") + _in(m.layouts))
+        (
+            f"`{m.name}`",
+            m.bug,
+            m.handler,
+            f"`{m.stage}`" + (" (vLLM)" if m.needs_server else "") + _in(m.layouts, m.dtype),
+        )
         for m in selftest.MUTATIONS
     ]
     return lines + _table(("mutation", "bug injected", "tiny replica", "must fail"), rows)

@@ -35,6 +35,8 @@ class Mutation:
     needs_server: bool = False
     # The parallel layouts the bug lives in: ``parallel_parity`` checks only those under it (empty: its default).
     layouts: tuple[str, ...] = ()
+    # The dtype the check trains in (``check --dtype``; None: the device's), for a bug that only a bf16 run shows.
+    dtype: str | None = None
 
 
 # --- the mutations -------------------------------------------------------------------------------------------------
@@ -300,6 +302,63 @@ def _expert_tp_grad_unsummed() -> AbstractContextManager[Any]:
     return mock.patch.object(lora._SumGradient, "apply", lambda weight, group: weight)
 
 
+def _grads_reduced_in_model_dtype() -> AbstractContextManager[Any]:
+    """The LoRA gradients are rounded to the base model's dtype before they are reduced (a trainer's gradient
+    buffer in the model's dtype): nothing changes in an fp32 model."""
+    from model_support.core.megatron import lora
+
+    reduce = lora.reduce_lora_grads
+
+    def rounded(model: Any) -> None:
+        for module in lora.lora_modules(model).values():
+            for param in (module.lora_A.weight, module.lora_B.weight):
+                if param.grad is not None:
+                    param.grad.copy_(param.grad.to(module.base.weight.dtype))
+        reduce(model)
+
+    return mock.patch.object(lora, "reduce_lora_grads", rounded)
+
+
+def _lora_shard_in_model_dtype() -> AbstractContextManager[Any]:
+    """Tensor-parallel rank 1 keeps its LoRA factors in the base model's dtype, not fp32 (nothing changes in an
+    fp32 model)."""
+    from model_support.core.megatron.lora import LoraLinear
+
+    init = LoraLinear.__init__
+
+    def patched(self: LoraLinear, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.group.rank() == 1:
+            self.lora_A.to(self.base.weight.dtype)
+            self.lora_B.to(self.base.weight.dtype)
+
+    return mock.patch.object(LoraLinear, "__init__", patched)
+
+
+def _tp_shard_weights_fp8() -> AbstractContextManager[Any]:
+    """Tensor-parallel rank 1's linear weights pass through float8 (e4m3, scaled per tensor) when the model is
+    built in bf16: a shard quantised by a wrong load path, the dtype still bf16."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from model_support.core.megatron import builder
+
+    load = builder._load_weights
+
+    def quantised(built: Any) -> None:
+        load(built)
+        if built.numerics.dtype != torch.bfloat16:
+            return
+        with torch.no_grad():
+            for chunk in built.chunks:
+                for module in chunk.modules():
+                    linear = isinstance(module, ColumnParallelLinear | RowParallelLinear)
+                    if linear and module.weight is not None and module.tp_group.rank() == 1:
+                        scale = module.weight.abs().amax().clamp_min(1e-12) / 448.0
+                        module.weight.copy_((module.weight / scale).to(torch.float8_e4m3fn).to(torch.bfloat16) * scale)
+
+    return mock.patch.object(builder, "_load_weights", quantised)
+
+
 def _context_keys_local() -> AbstractContextManager[Any]:
     """Context-parallel attention attends to its own rank's keys and values only."""
     from model_support.core.megatron import context_parallel
@@ -531,6 +590,14 @@ MUTATIONS: tuple[Mutation, ...] = (
              "gradient", "qwen3-moe", "parallel_parity", _expert_tp_grad_unsummed, layouts=("etp2",)),
     Mutation("pipeline-stage-dropped", "the LoRA state (and its export) keeps one pipeline stage's layers", "qwen3",
              "parallel_parity", lambda: _part_not_gathered("pipeline"), layouts=("pp2",)),
+    Mutation("lora-grads-reduced-in-model-dtype", "LoRA gradients rounded to the model's dtype before their "
+             "reduction (right in fp32)", "qwen3", "parallel_parity", _grads_reduced_in_model_dtype, layouts=("tp2",),
+             dtype="bf16"),
+    Mutation("lora-shard-in-model-dtype", "tensor-parallel rank 1 keeps its LoRA factors in the model's dtype, not "
+             "fp32 (right in fp32)", "qwen3", "parallel_parity", _lora_shard_in_model_dtype, layouts=("tp2",),
+             dtype="bf16"),
+    Mutation("tp-shard-weights-fp8", "tensor-parallel rank 1's weights pass through float8 in a bf16 build (right in "
+             "fp32)", "qwen3", "parallel_parity", _tp_shard_weights_fp8, layouts=("tp2",), dtype="bf16"),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",
              "parallel_parity", _context_keys_local, layouts=("cp2",)),
     Mutation("gdn-chunk-state-not-decayed", "GDN kernel carries its state into the next 64-token chunk undecayed",

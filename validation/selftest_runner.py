@@ -30,11 +30,11 @@ class Outcome:
     ok: bool
 
 
-def _stage_result(handler: str, stage: str, workdir: Path, layouts: tuple[str, ...]) -> Any:
-    """``stage`` run alone (no prerequisites) on ``handler``'s tiny replica, under ``layouts``."""
+def _stage_result(handler: str, stage: str, workdir: Path, layouts: tuple[str, ...], dtype: str | None) -> Any:
+    """``stage`` run alone (no prerequisites) on ``handler``'s tiny replica, under ``layouts``, in ``dtype``."""
     from model_support.validation.pytest_plugin import CheckRequest, run_check
 
-    request = CheckRequest(target=handler, tiny=True, stages=(stage,), layouts=layouts, alone=True)
+    request = CheckRequest(target=handler, tiny=True, stages=(stage,), layouts=layouts, alone=True, dtype=dtype)
     (result,) = run_check(request, workdir).results
     return result
 
@@ -59,23 +59,25 @@ def run_selftest(
         if on_outcome is not None:
             on_outcome(outcome)
 
-    # One clean run per (handler, stage), as its mutations run (that stage alone: it builds its own inputs, e.g. the
-    # random adapter where no lora_coverage ran), under every layout they run in (the default where one names none).
-    clean: dict[tuple[str, str], tuple[str, ...] | None] = {}
+    # One clean run per (handler, stage, dtype), as its mutations run (that stage alone: it builds its own inputs,
+    # e.g. the random adapter where no lora_coverage ran), under every layout they run in (the default where one
+    # names none).
+    clean: dict[tuple[str, str, str | None], tuple[str, ...] | None] = {}
     for m in chosen:
         if not (m.needs_server and no_server):
-            before = clean.get((m.handler, m.stage), ())
-            clean[(m.handler, m.stage)] = None if before is None or not m.layouts else (*before, *m.layouts)
-    for (handler, stage), layouts in clean.items():
+            before = clean.get((m.handler, m.stage, m.dtype), ())
+            clean[(m.handler, m.stage, m.dtype)] = None if before is None or not m.layouts else (*before, *m.layouts)
+    for (handler, stage, dtype), layouts in clean.items():
         asked = tuple(dict.fromkeys(layouts or ()))
-        result = _stage_result(handler, stage, workdir / f"clean-{handler}-{stage}", asked)
+        name = f"clean-{handler}-{stage}" + (f"-{dtype}" if dtype else "")
+        result = _stage_result(handler, stage, workdir / name, asked, dtype)
         record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, result.status == "pass"))
     for m in chosen:
         if m.needs_server and no_server:
             record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
             continue
         with selftest.injected(m.name):
-            result = _stage_result(m.handler, m.stage, workdir / m.name, m.layouts)
+            result = _stage_result(m.handler, m.stage, workdir / m.name, m.layouts, m.dtype)
         record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
     return outcomes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,13 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_parallel(layout: ParallelLayout | None = None) -> None:
+def init_parallel(layout: ParallelLayout | None = None, *, timeout: timedelta | None = None) -> None:
     """Join (or, when nothing is initialised, set up) torch.distributed and Megatron's model-parallel groups.
+
+    Each rank runs on the GPU its ``LOCAL_RANK`` names (set as the current CUDA device before anything is
+    allocated). ``timeout`` bounds every collective of the groups set up here (torch's default where None): a
+    collective whose peers do not all arrive raises on gloo, and NCCL's watchdog ends the process, instead of
+    waiting forever. A caller's own groups keep the timeout the caller gave them.
 
     A caller that already initialised torch.distributed and megatron-core's parallel state (a trainer) keeps its
     groups: they are used as they are, never torn down, and a layout that disagrees with them is an error.
@@ -36,9 +42,9 @@ def init_parallel(layout: ParallelLayout | None = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if world == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=world)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     if parallel_state.model_parallel_is_initialized():
         existing = {
             "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
@@ -67,6 +73,8 @@ def init_parallel(layout: ParallelLayout | None = None) -> None:
         context_parallel_size=layout.context_parallel,
         expert_model_parallel_size=layout.expert_parallel,
         expert_tensor_parallel_size=layout.expert_tensor_parallel,
+        # megatron-core builds a timedelta of these minutes, so a fraction of a minute is kept.
+        distributed_timeout_minutes=30 if timeout is None else timeout.total_seconds() / 60,  # type: ignore[arg-type]
     )
     from megatron.core import tensor_parallel as mtp
 

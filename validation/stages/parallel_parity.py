@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from math import inf
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -44,6 +46,11 @@ def unfit(layout: ParallelLayout, num_layers: int) -> str | None:
     if num_layers % chunks:
         return f"its {num_layers} layers do not split into {chunks} pipeline chunks"
     return None
+
+
+def _model_parallel(run: str) -> int:
+    name = run.partition(".")[0]
+    return 1 if name == "single" else ParallelLayout.parse(name).model_parallel
 
 
 def _error_line(out: Path, layout: str) -> str:
@@ -94,6 +101,10 @@ class ParallelParityStage(Stage):
         "logprobs_max_abs_err": 1e-4,
         "logprobs_rank_spread": 1e-4,
         "merged_mismatches": 0,
+        "dtype_mismatches": 0,
+        # An fp32 LoRA gradient holding bf16 values only was reduced or accumulated in bf16 (any layout, the oracle's
+        # data-parallel replicas included).
+        "grads_rounded_to_bf16": 0,
         "layouts_failed": 0,
     }
     timeout_s = 900
@@ -117,17 +128,17 @@ class ParallelParityStage(Stage):
         """Start the job: it reads only the checkpoint, so it runs while the stages before this one do."""
         layouts, _ = self._layouts(ctx)
         if layouts and ctx.state.find(JOB) is None:
-            self._start(ctx, layouts)
+            self._start(ctx, self._runs(ctx, layouts))
 
-    def _start(self, ctx: CheckContext, layouts: list[str]) -> ManagedProcess:
-        """The job over ``layouts`` (and the single-rank oracle), under the launcher, kept in the run state: the job
-        and its workers die with this process however it ends."""
+    def _start(self, ctx: CheckContext, runs: list[str]) -> ManagedProcess:
+        """The job over ``runs`` (see :meth:`_runs`), under the launcher, kept in the run state: the job and its
+        workers die with this process however it ends."""
         from model_support.core.serving.process import ManagedProcess
         from model_support.validation.selftest import active_mutation
 
-        world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
+        world = max(_model_parallel(run) for run in runs)
         cmd = [sys.executable, "-m", "model_support.validation.parallel_worker", f"--world={world}"]
-        cmd += [str(self._out(ctx)), str(ctx.model_dir), ctx.spec.name, ",".join(("single", *layouts))]
+        cmd += [str(self._out(ctx)), str(ctx.model_dir), ctx.spec.name, ",".join(runs)]
         mutation = active_mutation()
         if mutation is not None:  # `model-support selftest` injects its bug into the workers too
             cmd += ["--mutation", mutation]
@@ -138,11 +149,60 @@ class ParallelParityStage(Stage):
         ctx.state.set(JOB, job)
         return job
 
+    def _wait_for_runs(self, ctx: CheckContext, runs: list[str]) -> tuple[int | None, bool]:
+        """Wait for the job; when a run's failure ended it (the worker's ranks stop at the first error, so no peer
+        waits on a collective forever), start the runs it left in a new job, once per failed run, all within
+        ``timeout_s``. Returns (the last job's exit status, whether the time ran out).
+
+        A rank that died without writing its error (a signal: gloo aborts on mismatched tensors) is named by the
+        launcher (``job.failure``): that line becomes the rank's error for the run it failed in."""
+        from model_support.validation.parallel_worker import FAILURE_FILE
+
+        out = self._out(ctx)
+        deadline = time.monotonic() + self.timeout_s
+        job = ctx.state.find(JOB) or self._start(ctx, runs)  # prepare may not have started it
+        for _ in range(len(runs)):
+            try:
+                exit_code = job.wait(max(deadline - time.monotonic(), 0.0))
+            finally:
+                ctx.state.drop(JOB)
+            if exit_code is None:
+                return None, True
+            left = [n for n in runs if not (out / f"{n}.safetensors").exists()]
+            failure = out / FAILURE_FILE
+            if failure.exists() and left:
+                first = json.loads(failure.read_text())
+                failed = next((n for n in left if any(out.glob(f"{n}.rank*.error"))), left[0])
+                own = out / f"{failed}.rank{first['rank']}.error"
+                if not own.exists():
+                    own.write_text(f"{first['line']}\n")
+                    # the first to fail: older than the errors of the ranks that only saw it go
+                    oldest = min(p.stat().st_mtime_ns for p in out.glob(f"{failed}.rank*.error"))
+                    os.utime(own, ns=(oldest - 1, oldest - 1))
+                failure.unlink()
+            left = [n for n in left if not _error_line(out, n)]
+            if exit_code == 0 or not left or not (out / "single.safetensors").exists():
+                return exit_code, False
+            job = self._start(ctx, left)
+        return exit_code, False
+
     @staticmethod
     def _out(ctx: CheckContext) -> Path:
         return ctx.workdir / "parallel-parity"
 
+    @staticmethod
+    def _bf16(ctx: CheckContext) -> bool:
+        """Whether the check trains in bf16 (``check --dtype``, else the device's: bf16 on a GPU): then every layout
+        also runs in bf16, against the single-rank model in bf16."""
+        return (ctx.dtype or ("bf16" if torch.cuda.is_available() else "fp32")) == "bf16"
+
+    def _runs(self, ctx: CheckContext, layouts: list[str]) -> list[str]:
+        """The job's runs: the oracle and every layout in fp32, then (bf16 checks) the same in bf16."""
+        fp32 = ["single", *layouts]
+        return fp32 + [f"{name}.bf16" for name in fp32] * self._bf16(ctx)
+
     def run(self, ctx: CheckContext) -> StageResult:
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         from model_support.validation.parallel_worker import LR
@@ -153,67 +213,143 @@ class ParallelParityStage(Stage):
         world = max(ParallelLayout.parse(name).model_parallel for name in layouts)
         out, log = self._out(ctx), ctx.workdir / "parallel-parity.log"
         gpus = torch.cuda.device_count()
-        job = ctx.state.find(JOB) or self._start(ctx, layouts)  # prepare may not have started it
-        try:
-            exit_code = job.wait(self.timeout_s)
-        finally:
-            ctx.state.drop(JOB)
-        if exit_code is None:
+        exit_code, timed_out = self._wait_for_runs(ctx, self._runs(ctx, layouts))
+        if timed_out:
             return self.failed(f"the parallel job did not finish in {self.timeout_s} s (stopped); see {log}")
-        oracle_file = out / "single.safetensors"
-        if not oracle_file.exists():
+
+        def results(run: str) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]] | None:
+            path = out / f"{run}.safetensors"
+            if not path.exists():
+                return None
+            with safe_open(str(path), "pt") as f:
+                dtypes = json.loads((f.metadata() or {}).get("dtypes", "{}"))
+            return load_file(str(path)), dtypes
+
+        oracle = results("single")
+        if oracle is None:
             error = _error_line(out, "single")
             return self.failed(
                 f"the single-rank oracle did not run (exit {exit_code}{': ' + error if error else ''}); see {log}"
             )
-        oracle = load_file(str(oracle_file))
         device = "CPU (gloo)" if gpus < world else f"{world} GPUs (NCCL)"
         details.insert(
             0, f"world size {world} on {device}; the ranks not in a layout's model-parallel groups are data parallel"
         )
-        worst: dict[str, float] = dict.fromkeys(self.thresholds, 0.0)
+        thresholds = dict(self.thresholds)
+        worst: dict[str, float] = dict.fromkeys(thresholds, 0.0)
         # The step's rows cross every length-dependent structure of the model (parallel_worker._sequence_length).
-        row_shape = tuple(oracle["logits"].shape[:2])
+        row_shape = tuple(oracle[0]["logits"].shape[:2])
         metrics: dict[str, float | int | str] = {
             "layouts": len(layouts),
             "world_size": world,
             "row_tokens": row_shape[1],
         }
         details.insert(1, f"step rows: {row_shape[0]} x {row_shape[1]} tokens")
+        worst["grads_rounded_to_bf16"] = float(oracle[0]["grads_rounded_to_bf16"])
         failed = 0
-        for name in layouts:
-            result = out / f"{name}.safetensors"
-            if not result.exists():
-                error = _error_line(out, name)
-                details.append(f"{name}: did not run ({error or f'exit {exit_code}'})")
-                failed += 1
-                continue
-            numbers = compare(oracle, load_file(str(result)), LR)
-            details.append(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in numbers.items()))
-            if ParallelLayout.parse(name).context_parallel > 1:
+        passes = [("", oracle, lambda result: compare(oracle[0], result, LR))]
+        if self._bf16(ctx):
+            oracle_bf16 = results("single.bf16")
+            if oracle_bf16 is None:
+                error = _error_line(out, "single.bf16")
+                details.append(f"single.bf16: did not run ({error or f'exit {exit_code}'})")
+                failed += len(layouts)
+            else:
+                # How far the single-rank model lands from itself in fp32 when it runs in bf16: the rounding of a
+                # correct bf16 run. A layout only reorders that run's reductions, so it lands within twice that
+                # of the single-rank bf16 model (both are within it of the fp32 function).
+                noise = compare_bf16(oracle[0], oracle_bf16[0], LR)
+                for key in BF16_CALIBRATED:
+                    thresholds[f"bf16.{key}"] = 2 * noise[key]
+                    worst[f"bf16.{key}"] = 0.0
+                    metrics[f"bf16.noise.{key}"] = noise[key]
+                for key in BF16_EXACT:
+                    thresholds[f"bf16.{key}"] = 0
+                    worst[f"bf16.{key}"] = 0.0
+                worst["bf16.grads_rounded_to_bf16"] = float(oracle_bf16[0]["grads_rounded_to_bf16"])
                 details.append(
-                    f"{name}: no shared-prefix row (packed rows under context parallelism need THD attention)"
+                    "bf16: each layout against the single-rank bf16 model, limits twice that model's distance from "
+                    "its fp32 run: " + ", ".join(f"{k} {v:.3g}" for k, v in noise.items() if k in BF16_CALIBRATED)
                 )
-            for key, value in numbers.items():
-                metrics[f"{name}.{key}"] = value
-                worst[key] = max(worst[key], value)
+                passes.append(("bf16.", oracle_bf16, lambda result: compare_bf16(oracle_bf16[0], result, LR)))
+        for prefix, reference, distances in passes:
+            for name in layouts:
+                run = name + (".bf16" if prefix else "")
+                result = results(run)
+                if result is None:
+                    error = _error_line(out, run)
+                    details.append(f"{run}: did not run ({error or f'exit {exit_code}'})")
+                    failed += 1
+                    continue
+                numbers = distances(result[0])
+                numbers["dtype_mismatches"], first = dtype_mismatches(reference[1], result[1])
+                if first:
+                    details.append(f"{run}: {first}")
+                details.append(f"{run}: " + ", ".join(f"{k} {v:.3g}" for k, v in numbers.items()))
+                if not prefix and ParallelLayout.parse(name).context_parallel > 1:
+                    details.append(
+                        f"{name}: no shared-prefix row (packed rows under context parallelism need THD attention)"
+                    )
+                for key, value in numbers.items():
+                    metrics[f"{run}.{key}"] = value
+                    worst[prefix + key] = max(worst.get(prefix + key, 0.0), value)
         worst["layouts_failed"] = failed
         metrics |= worst
         summary = f"{len(layouts) - failed}/{len(layouts)} layouts ({', '.join(layouts)}) match the single-rank model"
-        return self.judge(metrics, dict(self.thresholds), summary, details, ctx=ctx)
+        if len(passes) > 1:
+            summary += " in fp32 and in bf16"
+        return self.judge(metrics, thresholds, summary, details, ctx=ctx)
+
+
+# The bf16 comparison: distances held to twice the single-rank model's own bf16 rounding, and exact counts.
+BF16_CALIBRATED = ("logits_rel_l2", "logits_mean_abs_pct", "grad_mean_abs_pct")
+BF16_EXACT = ("adapter_mismatches", "dtype_mismatches", "grads_rounded_to_bf16")
+
+
+def dtype_mismatches(oracle: dict[str, list[str]], other: dict[str, list[str]]) -> tuple[int, str]:
+    """(how many parameters and LoRA gradients some rank of the layout holds in a dtype the single-rank model does not
+    hold them in, a details line naming the first one)."""
+    wrong = sorted(name for name, dtypes in other.items() if name in oracle and dtypes != oracle[name])
+    if not wrong:
+        return 0, ""
+    return len(wrong), f"{wrong[0]} is {'/'.join(other[wrong[0]])} on some rank, {oracle[wrong[0]][0]} single-rank"
+
+
+def compare_bf16(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
+    """One run's distances from another's where bf16 rounding makes them differ (logits, the step's LoRA update),
+    and the counts that must be exact in any dtype (the adapters before the step, bf16-valued gradients)."""
+    logits_err = other["logits"] - oracle["logits"]
+    update, update_err = _update_and_error(oracle, other)
+    return {
+        "logits_rel_l2": (logits_err.norm() / oracle["logits"].norm()).item(),
+        "logits_mean_abs_pct": 100 * logits_err.abs().mean().item() / oracle["logits"].abs().mean().item(),
+        "grad_mean_abs_pct": 100 * update_err.abs().mean().item() / max(update.abs().mean().item(), 1e-30),
+        "adapter_mismatches": _adapter_mismatches(oracle, other),
+        "grads_rounded_to_bf16": float(other["grads_rounded_to_bf16"]),
+    }
+
+
+def _update_and_error(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(the oracle's SGD update of every LoRA tensor, how far the other run's lands from the oracle's), flat."""
+    after = sorted(k for k in oracle if k.startswith("after."))
+    # An SGD step moved each LoRA tensor by -lr * grad: the difference of the updates is the gradients' times lr.
+    update = torch.cat([(oracle[k] - oracle[k.replace("after.", "before.")]).flatten() for k in after])
+    update_err = torch.cat([(other[k] - oracle[k]).flatten() if k in other else oracle[k].flatten() for k in after])
+    return update, update_err
+
+
+def _adapter_mismatches(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> int:
+    """The adapter exported right after apply_lora (``fresh.``) and with the random LoRA loaded (``before.``): every
+    tensor bit for bit."""
+    before = sorted(k for k in oracle if k.startswith(("fresh.", "before.")))
+    mismatched = sum(1 for k in before if k not in other or not torch.equal(other[k], oracle[k]))
+    return mismatched + sum(1 for k in other if k.startswith(("fresh.", "before.")) and k not in oracle)
 
 
 def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
     """The distances of one layout's results from the single-rank oracle's (see :class:`ParallelParityStage`)."""
     logits_err = (other["logits"] - oracle["logits"]).abs()
-    # The adapter exported right after apply_lora (``fresh.``) and with the random LoRA loaded (``before.``).
-    before = sorted(k for k in oracle if k.startswith(("fresh.", "before.")))
-    after = sorted(k for k in oracle if k.startswith("after."))
-    mismatched = sum(1 for k in before if k not in other or not torch.equal(other[k], oracle[k]))
-    mismatched += sum(1 for k in other if k.startswith(("fresh.", "before.")) and k not in oracle)
-    # An SGD step moved each LoRA tensor by -lr * grad: the difference of the updates is the gradients' times lr.
-    update = torch.cat([(oracle[k] - oracle[k.replace("after.", "before.")]).flatten() for k in after])
-    update_err = torch.cat([(other[k] - oracle[k]).flatten() if k in other else oracle[k].flatten() for k in after])
+    update, update_err = _update_and_error(oracle, other)
     merged = sorted(k for k in oracle if k.startswith("merged."))
     merged_mismatches = sum(1 for k in merged if k not in other or other[k].shape != oracle[k].shape)
     merged_mismatches += sum(1 for k in other if k.startswith("merged.") and k not in oracle)
@@ -239,7 +375,7 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "grad_max_abs_err": update_err.abs().max().item() / lr,
         "grad_mean_abs_pct": 100 * update_err.abs().mean().item() / max(update.abs().mean().item(), 1e-30),
         "router_topk_mismatches": topk_mismatches,
-        "adapter_mismatches": mismatched,
+        "adapter_mismatches": _adapter_mismatches(oracle, other),
         "merged_max_abs_err": merged_err,
         # A layout that runs no shared-prefix row (context parallel) has nothing to compare.
         "shared_row_logits_max_abs_err": (other["shared_logits"] - oracle["shared_logits"]).abs().max().item()
@@ -248,6 +384,7 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "merged_mismatches": merged_mismatches,
         "logprobs_max_abs_err": _logprobs_err(oracle, other),
         "logprobs_rank_spread": other["logprobs_rank_spread"].item() if "logprobs_rank_spread" in other else inf,
+        "grads_rounded_to_bf16": float(other["grads_rounded_to_bf16"]),
     }
 
 
