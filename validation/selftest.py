@@ -359,6 +359,30 @@ def _tp_shard_weights_fp8() -> AbstractContextManager[Any]:
     return mock.patch.object(builder, "_load_weights", quantised)
 
 
+def _one_rank_raises() -> AbstractContextManager[Any]:
+    """Rank 1 raises in its first training step of a model-parallel layout while its peers go on into the step's
+    collectives (the oracle, one rank's model, runs)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from model_support.core import api
+
+    step = api.forward_backward
+
+    def raising(*args: Any, **kwargs: Any) -> Any:
+        sizes = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if dist.get_rank() == 1 and max(sizes) > 1:
+            raise RuntimeError("planted failure on rank 1")
+        return step(*args, **kwargs)
+
+    return mock.patch.object(api, "forward_backward", raising)
+
+
 def _context_keys_local() -> AbstractContextManager[Any]:
     """Context-parallel attention attends to its own rank's keys and values only."""
     from model_support.core.megatron import context_parallel
@@ -598,6 +622,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              dtype="bf16"),
     Mutation("tp-shard-weights-fp8", "tensor-parallel rank 1's weights pass through float8 in a bf16 build (right in "
              "fp32)", "qwen3", "parallel_parity", _tp_shard_weights_fp8, layouts=("tp2",), dtype="bf16"),
+    Mutation("one-rank-raises", "rank 1 raises in a training step while its peers wait in its collectives", "qwen3",
+             "parallel_parity", _one_rank_raises, layouts=("tp2",)),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",
              "parallel_parity", _context_keys_local, layouts=("cp2",)),
     Mutation("gdn-chunk-state-not-decayed", "GDN kernel carries its state into the next 64-token chunk undecayed",

@@ -4,6 +4,9 @@ Run from the repository root (CI runs it too), on one process or under torchrun 
 
     python docs/examples/train_and_push.py [WORKDIR]
     torchrun --nproc-per-node 2 docs/examples/train_and_push.py WORKDIR --layout tp2     # or pp2, ...
+    torchrun --nproc-per-node 2 docs/examples/train_and_push.py WORKDIR --model qwen3-moe --layout ep2
+
+On a node with a GPU per rank each rank trains on its own GPU (NCCL), in bf16; on CPUs over gloo, in fp32.
 
 It resolves the handler, builds the Megatron model through megatron-bridge, puts LoRA on the handler's targets,
 takes a few optimizer steps, exports the adapter as a PEFT directory, and, when the vLLM runtime is installed
@@ -35,11 +38,14 @@ TARGET = 7  # the steps make this token likelier after each prompt
 TOLERANCE = 1e-4  # fp32 server and trainer
 
 
-def main(work: Path, layout: str) -> int:
+MODELS = {"qwen3": "qwen3-0.6b.json", "qwen3-moe": "qwen3-30b-a3b.json"}  # reference configs the replicas take
+
+
+def main(work: Path, layout: str, family: str = "qwen3") -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model_dir = work / "tiny-qwen3"
+    model_dir = work / f"tiny-{family}"
     if rank == 0 and not model_dir.exists():
-        build_tiny(json.loads((CONFIGS / "qwen3-0.6b.json").read_text()), model_dir)
+        build_tiny(json.loads((CONFIGS / MODELS[family]).read_text()), model_dir)
     if dist.is_initialized():
         dist.barrier()
 
@@ -73,11 +79,11 @@ def main(work: Path, layout: str) -> int:
     if rank == 0:
         try:
             options = api.ServeOptions(dtype="float32", enable_lora=True)  # LoRA on: the hot-swap mode
-            server = api.serve(model_dir, "qwen3@0", work / "vllm.log", options=options)
+            server = api.serve(model_dir, f"{family}@0", work / "vllm.log", options=options)
         except RuntimeMissingError as exc:
             print(f"no server to push to: {exc}")
     if dist.is_initialized():  # every rank learns whether there is a server to sync
-        flag = torch.tensor([server is not None], dtype=torch.int64)
+        flag = torch.tensor([server is not None], dtype=torch.int64, device=trainer.device)  # NCCL: on the GPU
         dist.broadcast(flag, 0)
         if not flag.item():
             return 0
@@ -103,7 +109,7 @@ def main(work: Path, layout: str) -> int:
             ok = ok and delta < TOLERANCE
             if mode == "lora":
                 server.remove_adapter()  # the merged push changes the base under it
-        ok = ok and (server is None or server.served_name == "qwen3@1")
+        ok = ok and (server is None or server.served_name == f"{family}@1")
     finally:
         if server is not None:
             server.stop()
@@ -114,15 +120,18 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", nargs="?", type=Path)
     parser.add_argument("--layout", default="tp1", help="a ParallelLayout, e.g. tp2 or pp2 (under torchrun)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3", help="the tiny replica to train")
     args = parser.parse_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")  # build_model joins it
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the trainer's own process group: build_model joins it
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         if args.workdir is not None:
-            code = main(args.workdir, args.layout)
+            code = main(args.workdir, args.layout, args.model)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                code = main(Path(tmp), args.layout)
+                code = main(Path(tmp), args.layout, args.model)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

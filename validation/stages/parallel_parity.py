@@ -116,7 +116,13 @@ class ParallelParityStage(Stage):
         for name in ctx.layouts or default_layouts(ctx.layout.moe is not None):
             refused = ctx.spec.runtime.refused(ParallelLayout.parse(name))
             cannot = unfit(ParallelLayout.parse(name), ctx.layout.num_layers)
-            if refused:  # the family's declared limit: training there is refused, so there is nothing to compare
+            needs, gpus = ParallelLayout.parse(name).model_parallel, torch.cuda.device_count()
+            if gpus and needs > gpus:  # one process per GPU; CPU ranks at a GPU model's width would take hours
+                details.append(
+                    f"{name}: not checked, it needs {needs} GPUs and the node has {gpus} (with CUDA_VISIBLE_DEVICES= "
+                    "every layout runs on the CPU)"
+                )
+            elif refused:  # the family's declared limit: training there is refused, so there is nothing to compare
                 details.append(f"{name}: not checked, the handler refuses it ({refused})")
             elif cannot:
                 details.append(f"{name}: not checked, the model cannot be split so ({cannot})")
@@ -231,7 +237,7 @@ class ParallelParityStage(Stage):
             return self.failed(
                 f"the single-rank oracle did not run (exit {exit_code}{': ' + error if error else ''}); see {log}"
             )
-        device = "CPU (gloo)" if gpus < world else f"{world} GPUs (NCCL)"
+        device = "CPU (gloo)" if not gpus else f"{world} GPUs (NCCL)"
         details.insert(
             0, f"world size {world} on {device}; the ranks not in a layout's model-parallel groups are data parallel"
         )

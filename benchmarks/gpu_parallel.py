@@ -1,0 +1,190 @@
+"""``parallel_parity`` on the GPUs of one node (one process per GPU, NCCL), and one table of what it measured.
+
+For each ``HANDLER[:LAYERS[:EXPERTS]]`` case (no layers: the tiny replica; with them, ``model-support replica`` at
+the handler's reference-config width in bf16) the stage runs alone in a child ``model-support check``, every
+layout in fp32 and in bf16 (the GPU's training dtype), while a thread samples each GPU's used memory
+(``nvidia-smi``). Also, for the first case's model: the worker under ``torchrun`` (its own launcher), and the same
+with a planted failure on rank 1 (the job must end, not hang). Run on the device machine from the repository root
+(docs/gpu-validation.md for the wheels):
+
+    PYTHONPATH=/tmp/ms:/tmp/site python3 -m benchmarks.gpu_parallel --out $OUT --case qwen3 --case qwen3-moe
+
+Writes ``OUT/gpu-parallel.json`` (every metric) and prints one Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# NVLink multicast stays off in every process this starts (the device machines' rule; the ranks inherit it).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SHOWN = ("logits_max_abs_err", "grad_max_abs_err", "loss_abs_err", "merged_max_abs_err", "router_topk_mismatches")
+SHOWN_BF16 = ("logits_rel_l2", "logits_mean_abs_pct", "grad_mean_abs_pct")
+
+
+class PeakMemory:
+    """The largest used memory (MiB) of each GPU while the context is open, sampled by ``nvidia-smi``."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s, self.peak, self._stop = every_s, {}, threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = self._query()
+            except FileNotFoundError:  # no nvidia-smi: no GPU to watch
+                return
+            for line in out.strip().splitlines():
+                index, used = (int(v) for v in line.split(","))
+                self.peak[index] = max(self.peak.get(index, 0), used)
+            self._stop.wait(self.every_s)
+
+    @staticmethod
+    def _query() -> str:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+
+    def __enter__(self) -> PeakMemory:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    start = time.monotonic()
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        try:
+            code = subprocess.run(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+                env={**os.environ, **NO_MULTICAST},
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, time.monotonic() - start
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "model_support.core.cli", *args]
+
+
+def check_case(case: str, layouts: str | None, out: Path, log: Path, timeout: float) -> dict[str, Any]:
+    """``parallel_parity`` alone on one case's model; its metrics, seconds and per-GPU peak memory."""
+    handler, *rest = case.split(":")
+    work = out / case.replace(":", "-")
+    if rest:
+        model = work / "model"
+        extra = ["--experts", rest[1]] if len(rest) > 1 else []
+        if not model.exists():
+            _run(_cli("replica", handler, str(model), "--layers", rest[0], "--dtype", "bf16", *extra), log, timeout)
+        target = [str(model)]
+    else:
+        target = [handler, "--tiny"]
+    report = work / "report.json"
+    cmd = _cli("check", *target, "-s", "parallel_parity", "--alone", "--json", str(report), "-v")
+    cmd += ["--layouts", layouts] if layouts else []
+    with PeakMemory() as memory:
+        code, seconds = _run(cmd, log, timeout)
+    result: dict[str, Any] = {"case": case, "exit": code, "seconds": round(seconds, 1), "peak_mib": memory.peak}
+    if report.exists():
+        (verdict,) = json.loads(report.read_text())["results"]
+        result |= {"status": verdict["status"], "summary": verdict["summary"], "metrics": verdict["metrics"]}
+        result["details"] = verdict["details"]
+    return result
+
+
+def torchrun_case(handler: str, runs: str, out: Path, log: Path, timeout: float) -> dict[str, Any]:
+    """The worker's ``runs`` under torchrun on the tiny replica, then the same with rank 1 raising in its first
+    model-parallel step: the job must end (exit non-zero) with rank 1's error written."""
+    model = out / f"torchrun-{handler}" / "model"
+    _run(_cli("tiny", handler, str(model)), log, timeout)
+    found = {}
+    for name, extra in (("clean", []), ("one-rank-raises", ["--mutation", "one-rank-raises"])):
+        results = out / f"torchrun-{handler}" / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        cmd += ["-m", "model_support.validation.parallel_worker", str(results), str(model), handler]
+        cmd += [runs, *extra]
+        code, seconds = _run(cmd, log, timeout)
+        files = sorted(p.name for p in results.glob("*")) if results.exists() else []
+        errors = {p.name: p.read_text().splitlines()[0] for p in results.glob("*.error")} if results.exists() else {}
+        found[name] = {"exit": code, "seconds": round(seconds, 1), "files": files, "errors": errors}
+    return found
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| case | layout | fp32: "
+        + ", ".join(SHOWN)
+        + " | bf16: "
+        + ", ".join(SHOWN_BF16)
+        + " (limit) | s | peak MiB/GPU |",
+        "| --- | --- | --- | --- | ---: | --- |",
+    ]
+    for r in results:
+        metrics = r.get("metrics", {})
+        layouts = [k.removesuffix(".logits_max_abs_err") for k in metrics if k.endswith(".logits_max_abs_err")]
+        peak = " / ".join(str(v) for _, v in sorted(r["peak_mib"].items()))
+        if not layouts:
+            lines.append(
+                f"| {r['case']} | - | {r.get('summary', 'exit ' + str(r['exit']))} | | {r['seconds']} | {peak} |"
+            )
+        for name in layouts:
+            fp32 = ", ".join(f"{metrics.get(f'{name}.{k}', '-'):.3g}" for k in SHOWN)
+            bf16 = ", ".join(
+                f"{metrics[f'{name}.bf16.{k}']:.3g} ({metrics.get(f'bf16.noise.{k}', 0) * 2:.3g})"
+                for k in SHOWN_BF16
+                if f"{name}.bf16.{k}" in metrics
+            )
+            lines.append(f"| {r['case']} | {name} | {fp32} | {bf16 or '-'} | {r['seconds']} | {peak} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--case", action="append", default=[], help="HANDLER[:LAYERS[:EXPERTS]]")
+    parser.add_argument("--layouts", help="check --layouts for every case (default: the stage's)")
+    parser.add_argument(
+        "--torchrun", help="HANDLER:RUNS, e.g. qwen3-moe:single,ep2,ep2.bf16: the worker under torchrun"
+    )
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "gpu-parallel.log"
+    results, record = [], {}
+    for case in args.case:
+        results.append(check_case(case, args.layouts, args.out, log, args.timeout))
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("metrics", "details")}), flush=True)
+    record["checks"] = results
+    if args.torchrun:
+        handler, _, runs = args.torchrun.partition(":")
+        record["torchrun"] = torchrun_case(handler, runs, args.out, log, args.timeout)
+        print(json.dumps(record["torchrun"], indent=1), flush=True)
+    (args.out / "gpu-parallel.json").write_text(json.dumps(record, indent=1))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
