@@ -90,7 +90,10 @@ def _cli(*args: str) -> list[str]:
 
 
 def check_case(case: str, layouts: str | None, out: Path, log: Path, timeout: float) -> dict[str, Any]:
-    """``parallel_parity`` alone on one case's model; its metrics, seconds and per-GPU peak memory."""
+    """``parallel_parity`` alone on one case's model; its metrics, seconds and per-GPU peak memory. A case may name
+    its own layouts after ``@``."""
+    case, _, own = case.partition("@")
+    layouts = own or layouts
     handler, *rest = case.split(":")
     work = out / case.replace(":", "-")
     if rest:
@@ -163,7 +166,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--case", action="append", default=[], help="HANDLER[:LAYERS[:EXPERTS]]")
+    parser.add_argument("--case", action="append", default=[], help="HANDLER[:LAYERS[:EXPERTS]][@LAYOUTS]")
     parser.add_argument("--layouts", help="check --layouts for every case (default: the stage's)")
     parser.add_argument(
         "--torchrun", help="HANDLER:RUNS, e.g. qwen3-moe:single,ep2,ep2.bf16: the worker under torchrun"

@@ -13,13 +13,19 @@ import torch
 
 class LocalRMSNorm(torch.nn.Module):
     """RMSNorm computing ``norm(x) * weight`` in fp32; unlike megatron-core's torch-norm wrapper it runs under
-    sequence parallelism (its weight is marked ``sequence_parallel``, as megatron-core marks its own norms)."""
+    sequence parallelism (its weight is marked ``sequence_parallel``, as megatron-core marks its own norms). Its
+    weight is fp32 whatever the model's dtype, as the torch norm megatron-core builds without sequence parallelism
+    holds it: every layout holds the same weights."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(self._initial(hidden_size, config.params_dtype))
+        self.weight = torch.nn.Parameter(self._initial(hidden_size, self._dtype(config)))
         self.weight.sequence_parallel = config.sequence_parallel
+
+    @staticmethod
+    def _dtype(config: Any) -> torch.dtype:
+        return torch.float32
 
     @staticmethod
     def _initial(size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -35,7 +41,12 @@ class LocalRMSNorm(torch.nn.Module):
 
 
 class ZeroCenteredRMSNorm(LocalRMSNorm):
-    """RMSNorm computing ``norm(x) * (1 + weight)`` in fp32."""
+    """RMSNorm computing ``norm(x) * (1 + weight)`` in fp32, its weight in the model's dtype (it is the norm of every
+    layout of the families that have it)."""
+
+    @staticmethod
+    def _dtype(config: Any) -> torch.dtype:
+        return config.params_dtype
 
     @staticmethod
     def _initial(size: int, dtype: torch.dtype) -> torch.Tensor:
