@@ -97,6 +97,8 @@ class ParallelParityStage(Stage):
         "router_topk_mismatches": 0,
         "adapter_mismatches": 0,
         "merged_max_abs_err": 1e-5,
+        # one rounding of base + LoRA the other way in the checkpoint's dtype (bf16 / fp16 checkpoints)
+        "merged_max_ulp": 1,
         "shared_row_logits_max_abs_err": 1e-4,
         "logprobs_max_abs_err": 1e-4,
         "logprobs_rank_spread": 1e-4,
@@ -359,14 +361,12 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
     merged = sorted(k for k in oracle if k.startswith("merged."))
     merged_mismatches = sum(1 for k in merged if k not in other or other[k].shape != oracle[k].shape)
     merged_mismatches += sum(1 for k in other if k.startswith("merged.") and k not in oracle)
-    merged_err = max(
-        (
-            (other[k].float() - oracle[k].float()).abs().max().item()
-            for k in merged
-            if k in other and other[k].shape == oracle[k].shape
-        ),
-        default=0.0,
-    )
+    comparable = [k for k in merged if k in other and other[k].shape == oracle[k].shape]
+    # fp32 tensors by their distance; a checkpoint's bf16 / fp16 tensors in units in the last place: base + LoRA
+    # is rounded to the checkpoint's dtype, and a delta that differs by round-off may round the other way.
+    exact = [k for k in comparable if oracle[k].dtype == torch.float32]
+    merged_err = max(((other[k] - oracle[k]).abs().max().item() for k in exact), default=0.0)
+    merged_ulp = max((ulp_distance(oracle[k], other[k]) for k in comparable if k not in exact), default=0.0)
     topk = sorted(k for k in oracle if k.startswith("topk."))
     topk_mismatches = sum(
         int((other[k] != oracle[k]).any(-1).sum())
@@ -383,6 +383,7 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "router_topk_mismatches": topk_mismatches,
         "adapter_mismatches": _adapter_mismatches(oracle, other),
         "merged_max_abs_err": merged_err,
+        "merged_max_ulp": merged_ulp,
         # A layout that runs no shared-prefix row (context parallel) has nothing to compare.
         "shared_row_logits_max_abs_err": (other["shared_logits"] - oracle["shared_logits"]).abs().max().item()
         if "shared_logits" in other
@@ -392,6 +393,16 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "logprobs_rank_spread": other["logprobs_rank_spread"].item() if "logprobs_rank_spread" in other else inf,
         "grads_rounded_to_bf16": float(other["grads_rounded_to_bf16"]),
     }
+
+
+def ulp_distance(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """The largest distance between two tensors of a floating dtype in units in the last place of that dtype, at
+    the larger magnitude of each pair (1: one rounding the other way)."""
+    info = torch.finfo(reference.dtype)
+    a, b = reference.double(), other.double()
+    _, exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))
+    spacing = (info.eps * torch.pow(2.0, exponent.double() - 1)).clamp_min(info.smallest_normal * info.eps)
+    return ((a - b).abs() / spacing).max().item() if a.numel() else 0.0
 
 
 def _logprobs_err(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
