@@ -102,3 +102,37 @@ def test_build_model_refuses_a_layout_the_handler_refuses(tiny_model_dir):
     )
     with pytest.raises(ParallelLayoutError, match="qwen3 cannot train in ep2: expert parallel: x"):
         api.build_model(tiny_model_dir("qwen3"), handler=limited, parallel=ParallelLayout(expert_parallel=2))
+
+
+def test_merged_bf16_tensors_are_compared_in_units_in_the_last_place():
+    import torch
+
+    from model_support.validation.stages.parallel_parity import ulp_distance
+
+    x = torch.tensor([1e-5, 0.1, 0.5, -3.0, 0.0]).bfloat16()
+    step = (x.view(torch.int16) + 1).view(torch.bfloat16)  # each element one bf16 step up (0 -> the smallest)
+    assert ulp_distance(x, x) == 0
+    assert ulp_distance(x[:4], step[:4]) == 1  # a rounding the other way: within the stage's limit of 1
+    assert ulp_distance(x, (x.view(torch.int16) + 3).view(torch.bfloat16)) >= 3
+
+
+def test_a_parameter_held_in_another_dtype_on_some_rank_is_counted_and_named():
+    from model_support.validation.stages.parallel_parity import dtype_mismatches
+
+    single = {"decoder.final_layernorm.weight": ["float32"], "decoder.layers.0.mlp.linear_fc1.weight": ["bfloat16"]}
+    layout = {"decoder.final_layernorm.weight": ["bfloat16", "float32"], **dict(list(single.items())[1:])}
+    assert dtype_mismatches(single, single) == (0, "")
+    count, line = dtype_mismatches(single, layout)
+    assert count == 1
+    assert line == "decoder.final_layernorm.weight is bfloat16/float32 on some rank, float32 single-rank"
+
+
+def test_a_run_names_its_layout_and_dtype():
+    import torch
+
+    from model_support.validation.parallel_worker import parse_run
+
+    assert parse_run("tp2-sp") == ("tp2-sp", torch.float32)
+    assert parse_run("single.bf16") == ("single", torch.bfloat16)
+    with pytest.raises(ValueError, match="the dtype after the layout is bf16 or nothing"):
+        parse_run("tp2.fp16")

@@ -78,8 +78,21 @@ class ParallelParityStage(Stage):
     model cannot be split into (layers per pipeline chunk) is named with its reason instead. A tiny replica keeps
     the fewest layers that hold every layer kind (CI checks every family this way), so ``pp2-vp2`` (four chunks) is
     checked on the four-layer GDN replicas and named as not checked on two-layer ones; ``model-support tiny
-    --layers 4`` builds one deep enough. With as many GPUs as the largest layout needs the job runs one process per
-    GPU (NCCL), else on the CPU (gloo)."""
+    --layers 4`` builds one deep enough.
+
+    On a node with GPUs the job runs one process per GPU (NCCL), each rank on the GPU its ``LOCAL_RANK`` names, and a
+    layout needing more GPUs than the node has is named as not checked; without GPUs (or with
+    ``CUDA_VISIBLE_DEVICES=``) every layout runs on the CPU (gloo). When the check trains in bf16 (a GPU's default,
+    or ``check --dtype bf16``) every layout also runs in bf16 against the single-rank model in bf16: logits (relative
+    L2, mean-abs-percent) and the LoRA update held to twice the single-rank model's own distance from its fp32 run
+    (the rounding of a correct bf16 run; a layout only reorders its reductions), the fresh adapters bit for bit, and
+    two exact counts in every run: parameters or LoRA gradients held in a dtype the single-rank model does not hold
+    them in, and fp32 LoRA gradients whose every value is a bf16 value (reduced or accumulated in bf16). Merged
+    weights of a bf16 checkpoint are compared in units in the last place (one rounding the other way).
+
+    Nothing hangs: the first rank to raise writes its error and ends the job (the launcher ends the others within
+    seconds, as torchrun's agent does); the stage names that rank's error line for the layout and runs the layouts
+    left in a new job. Every collective runs under a timeout (``parallel_worker --collective-timeout``)."""
 
     name = "parallel_parity"
     title = "Tensor, sequence, pipeline, context and expert parallel layouts train like the single-rank model."
