@@ -104,16 +104,22 @@ def test_build_model_refuses_a_layout_the_handler_refuses(tiny_model_dir):
         api.build_model(tiny_model_dir("qwen3"), handler=limited, parallel=ParallelLayout(expert_parallel=2))
 
 
-def test_merged_bf16_tensors_are_compared_in_units_in_the_last_place():
+def test_merged_bf16_tensors_are_compared_beyond_one_rounding():
     import torch
 
-    from model_support.validation.stages.parallel_parity import ulp_distance
+    from model_support.validation.stages.parallel_parity import beyond_rounding
 
-    x = torch.tensor([1e-5, 0.1, 0.5, -3.0, 0.0]).bfloat16()
-    step = (x.view(torch.int16) + 1).view(torch.bfloat16)  # each element one bf16 step up (0 -> the smallest)
-    assert ulp_distance(x, x) == 0
-    assert ulp_distance(x[:4], step[:4]) == 1  # a rounding the other way: within the stage's limit of 1
-    assert ulp_distance(x, (x.view(torch.int16) + 3).view(torch.bfloat16)) >= 3
+    x = torch.tensor([1e-5, 0.1, 0.5, -3.0]).bfloat16()
+    step = (x.view(torch.int16) + 1).view(torch.bfloat16)  # each element one bf16 step up: a rounding the other way
+    assert beyond_rounding(x, x) == 0
+    assert beyond_rounding(x, step) == 0
+    # base and LoRA cancelling: 1e-8 apart, thousands of units in the last place of the tiny result, within 1e-5
+    tiny = torch.tensor([1e-8]).bfloat16()
+    assert beyond_rounding(tiny, torch.tensor([2e-8]).bfloat16()) < 1e-5
+    # a LoRA update of 3e-3 left out of a weight near 0.1 (a unit there is 4.9e-4)
+    assert beyond_rounding(x, (x.float() + torch.tensor([0, 3e-3, 0, 0])).bfloat16()) > 2e-3
+    # fp32: the plain distance
+    assert beyond_rounding(torch.tensor([1.0]), torch.tensor([1.0 + 2**-20])) == 2**-20
 
 
 def test_a_parameter_held_in_another_dtype_on_some_rank_is_counted_and_named():
