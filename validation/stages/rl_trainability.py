@@ -76,7 +76,7 @@ class _Run:
     steps: list[dict[str, float]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    stale_tokens: int = 0
+    stale_tokens: int | None = 0  # None: not measured (the server's vLLM reports no per-token weight versions)
     listed: list[str] = field(default_factory=list)
 
 
@@ -162,7 +162,7 @@ class RlTrainabilityStage(Stage):
             **worst,
             "samples_per_step": self.group * len(prompt_ids),
             "stale_served_names": sum(len(set(r.listed) - {r.names[-1]}) + (r.names[-1] not in r.listed) for r in runs),
-            "stale_tokens": sum(run.stale_tokens for run in runs),
+            "stale_tokens": sum(run.stale_tokens or 0 for run in runs),
             "served_model": runs[-1].names[-1],
             "base_params_changed": len(changed),
             "serving_dtype": server.options.dtype,
@@ -171,6 +171,13 @@ class RlTrainabilityStage(Stage):
         limits = mismatch_tolerance(server.options.dtype)
         thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
         details = ["serving dtype {}: {}".format(*session.serving_dtype(ctx))]
+        if any(run.stale_tokens is None for run in runs):  # a limit on what was not measured would pass vacuously
+            del thresholds["stale_tokens"]
+            metrics["stale_tokens"] = "not measured"
+            details.append(
+                f"stale_tokens: not measured: vLLM {server.features.version} reports no per-token weight versions "
+                "(vLLM 0.32 on)"
+            )
         for run in runs:
             push = "adapter hot-swapped (api.push_adapter)" if run.mode == "lora" else "merged weights pushed in place"
             details += [
@@ -178,7 +185,8 @@ class RlTrainabilityStage(Stage):
                 f"{run.mode}: server vs Megatron per step (mean KL / max |delta|): "
                 + ", ".join(f"{s['kl_mean']:.1e}/{s['abs_delta_logprob_max']:.1e}" for s in run.steps),
                 f"{run.mode}: served names {run.names[0]} -> {run.names[-1]}; the server lists {run.listed}; "
-                f"{run.stale_tokens} sampled token(s) from other weights than the last pushed",
+                f"{'?' if run.stale_tokens is None else run.stale_tokens} sampled token(s) from other weights than the "
+                "last pushed",
             ]
         details.append(f"trainer: {model.describe()}; AdamW lr {lr:.3g}, gradient norm clipped to {self.clip_norm}")
         if changed:
@@ -230,11 +238,14 @@ class RlTrainabilityStage(Stage):
                     )
                     for i, ids in enumerate(prompt_ids)
                 ]
-                if mode == "merged":
+                if mode == "merged" and run.stale_tokens is not None:
                     version = int(target.rpartition("@")[2])
-                    run.stale_tokens += sum(
-                        e != version for group in samples for c in group for e in c["policy_epochs"]
-                    )
+                    if all("policy_epochs" in c for group in samples for c in group):
+                        run.stale_tokens += sum(
+                            e != version for group in samples for c in group for e in c["policy_epochs"]
+                        )
+                    else:  # a vLLM before 0.32 reports no per-token weight versions
+                        run.stale_tokens = None
                 with torch.enable_grad():
                     last = torch.stack([rows[-1] for rows in api.token_logprobs(model, prompt_ids)])
                 tokens = torch.tensor([[c["token_ids"][0] for c in group] for group in samples])

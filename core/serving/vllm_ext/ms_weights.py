@@ -128,6 +128,12 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
         reload_weights(self.vllm_config, self.model, iter(received.items()), None, True)
         self.applied += 1
 
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM 0.26 and 0.27 declare this abstract (later releases moved the trainer's side out of the engine): the
+        project's trainer side is :mod:`model_support.core.serving.update`, which writes each bucket itself."""
+        raise NotImplementedError("model_support_local is sent to by model_support.core.serving.update")
+
     def shutdown(self) -> None:
         self._step = None
 

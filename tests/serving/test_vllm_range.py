@@ -1,0 +1,128 @@
+"""The serving side across vLLM releases (0.26 on GPU images with torch 2.11, 0.32 / 0.33 elsewhere): each feature
+used where the running vLLM has it, refused in one line naming the release where it is missing; a vLLM the node
+already has recorded as the runtime; the server log's cause found in argparse and OS-error lines. No server runs
+here except through the installed runtime's interpreter (``runtime use``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_support.core.serving.errors import ServingError
+from model_support.core.serving.options import ServeOptions
+from model_support.core.serving.runtime import RuntimeInfo, load_runtime
+from model_support.core.serving.vllm_backend import root_cause, server_command, server_env
+from model_support.core.serving.vllm_features import VllmFeatures
+
+
+def _runtime(version: str, pythonpath: tuple[str, ...] = ()) -> RuntimeInfo:
+    return RuntimeInfo("/r", "/r/venv/bin/python", "gpu", "vllm", version, "2.11.0", "3.12.3", 0.0, 0, pythonpath)
+
+
+@pytest.mark.parametrize(
+    ("version", "scale_out", "weight_version", "token_versions"),
+    [("0.26.0", False, False, False), ("0.27.1", False, True, False), ("0.30.0", True, True, False),
+     ("0.32.0", True, True, True), ("0.33.0+cu130", True, True, True)],
+)  # fmt: skip
+def test_features_follow_the_release(version: str, scale_out: bool, weight_version: bool, token_versions: bool):
+    features = VllmFeatures(version)
+    assert features.has("scale_out_flag") is scale_out
+    assert features.has("weight_version") is weight_version
+    assert features.has("token_weight_versions") is token_versions
+
+
+def test_a_missing_feature_is_refused_in_one_line_naming_the_release():
+    VllmFeatures("0.32.0").require("token_weight_versions", "per-token staleness")
+    with pytest.raises(ServingError) as exc:
+        VllmFeatures("0.26.0").require("token_weight_versions", "per-token staleness")
+    assert str(exc.value).startswith(
+        "per-token staleness needs per-token weight versions in /inference/v1/generate, which vLLM has from 0.32 on; "
+        "the runtime's vLLM is 0.26.0"
+    )
+    assert "\n" not in str(exc.value)
+
+
+def test_the_server_command_has_the_flags_its_vllm_has(tmp_path: Path):
+    for version, flagged in (("0.26.0", False), ("0.32.0", True)):
+        runtime = _runtime(version)
+        cmd = server_command(runtime, VllmFeatures(version), tmp_path, "m@0", 8000, ServeOptions())
+        assert ("--enable-scale-out" in cmd) is flagged  # 0.26 has no such flag (argparse refuses it)
+        assert cmd[:3] == [runtime.python, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_a_runtime_on_a_path_of_its_own_is_put_after_the_extension():
+    env = server_env(_runtime("0.26.0", ("/tmp/vsite", "/opt/more")), ServeOptions())
+    ext, *rest = env["PYTHONPATH"].split(":")
+    assert ext.endswith("vllm_ext") and rest == ["/tmp/vsite", "/opt/more"]
+
+
+@pytest.mark.parametrize(
+    ("log", "cause"),
+    [
+        (
+            "(APIServer pid=7) INFO 11-27 10:00:00 [api_server.py:12] starting\n"
+            "usage: api_server.py [-h] [--model MODEL]\n"
+            "api_server.py: error: unrecognized arguments: --enable-scale-out\n",
+            "api_server.py: error: unrecognized arguments: --enable-scale-out",
+        ),
+        (
+            "(APIServer pid=7) ERROR 11-27 10:00:00 [launcher.py:9] OSError: [Errno 98] Address already in use\n"
+            "Traceback (most recent call last):\n",
+            "OSError: [Errno 98] Address already in use",
+        ),
+        (
+            "ERROR 11-27 [shm.py:1] could not map: [Errno 28] No space left on device",
+            "[Errno 28] No space left on device",
+        ),
+        (
+            "(EngineCore pid=3) ERROR [core.py:5] ValueError: bad rank\n"
+            "(APIServer) ERROR [x.py:2] RuntimeError: Engine core initialization failed. See root cause above.\n",
+            "ValueError: bad rank",
+        ),
+        ("INFO all good\n", "no error line in the server log"),
+    ],
+)
+def test_the_server_logs_cause_is_found(log: str, cause: str):
+    assert root_cause(log) == cause
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "model_support.core.cli", "runtime", *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_runtime_use_records_a_vllm_the_node_already_has(tmp_path: Path):
+    try:
+        installed = load_runtime()
+    except ServingError as exc:
+        pytest.skip(str(exc))
+    result = _cli("use", "--python", installed.python, "--pythonpath", str(tmp_path), "--root", str(tmp_path / "rt"))
+    assert result.returncode == 0, result.stderr
+    recorded = load_runtime(tmp_path / "rt")
+    assert (recorded.python, recorded.vllm_version, recorded.distribution) == (
+        installed.python,
+        installed.vllm_version,
+        installed.distribution,
+    )
+    assert recorded.pythonpath == (str(tmp_path),) and recorded.managed is False
+    assert json.loads((tmp_path / "rt" / "runtime.json").read_text())["managed"] is False
+
+
+@pytest.mark.parametrize(
+    ("python", "message"),
+    [
+        ("/nonexistent/python", "/nonexistent/python is not a Python interpreter; name the one of the environment"),
+        (sys.executable, "cannot import vLLM and torch (ModuleNotFoundError: No module named 'vllm'); name an"),
+    ],
+)
+def test_runtime_use_refuses_an_interpreter_without_vllm_and_writes_nothing(python: str, message: str, tmp_path: Path):
+    result = _cli("use", "--python", python, "--root", str(tmp_path / "rt"))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert message in line
+    assert not (tmp_path / "rt").exists()
