@@ -25,6 +25,11 @@ class Server(Protocol):
     @property
     def pid(self) -> int: ...
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a raw HTTP request to the server must carry (its owner's key)."""
+        ...
+
     def wait_ready(self) -> Server:
         """Block until the server answers (at once when it already did); raise if it died or never came up."""
         ...

@@ -59,6 +59,7 @@ class ServerClient:
     ``base_url`` is the server's root (``/v1`` is appended). ``label`` names the server in errors ("vLLM");
     ``root_cause`` (the server log's last error line) and ``log_path`` go into the error of a 5xx answer or a
     server that cannot be reached. ``max_retries`` and ``timeout`` (seconds per try) are the ``openai`` clients'.
+    ``api_key`` is the server's key (sent as ``Authorization: Bearer``; None: the server checks none).
     ``concurrency`` bounds the requests that :meth:`choices_many` has in flight at once.
     """
 
@@ -72,17 +73,18 @@ class ServerClient:
         max_retries: int = 2,
         timeout: float = 600.0,
         concurrency: int = 32,
+        api_key: str | None = None,
     ):
-        self.base_url, self.label = base_url.rstrip("/"), label
+        self.base_url, self.label, self.api_key = base_url.rstrip("/"), label, api_key
         self.root_cause, self.log_path = root_cause, log_path
         self.max_retries, self.timeout, self.concurrency = max_retries, timeout, concurrency
         self._sync = openai.OpenAI(**self._settings())
 
     def _settings(self) -> dict[str, Any]:
-        # The servers check no key, but the ``openai`` clients need one.
+        # A server that checks no key still needs one from the ``openai`` clients.
         return {
             "base_url": f"{self.base_url}/v1",
-            "api_key": "EMPTY",
+            "api_key": self.api_key or "EMPTY",
             "max_retries": self.max_retries,
             "timeout": self.timeout,
         }

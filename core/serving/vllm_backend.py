@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import threading
@@ -42,6 +43,7 @@ _ROOT_CAUSE = (
     re.compile(r"^(?:usage: .*\n)?(\S+: error: .+)$"),
     re.compile(r"(\[Errno \d+\].*)$"),
 )
+SERVER_KEY_ENV = "MODEL_SUPPORT_SERVER_KEY"  # read by vllm_ext/ms_vllm_ext.py in the server
 # vLLM's log prefix: "(APIServer pid=7) ERROR 11-27 10:00:00 [api_server.py:123] "
 _LOG_PREFIX = re.compile(r"^.*?\[[\w./-]+\.py:\d+\] ")
 _NOISE = ("EngineDeadError", "Engine core initialization failed", "APIServer", "Traceback")
@@ -78,9 +80,11 @@ class VllmServer:
         model_dir: Path,
         options: ServeOptions,
         features: VllmFeatures,
+        key: str,
     ):
         self.process, self.port, self.served_name = process, port, served_name
         self.model_dir, self.options, self.features = model_dir, options, features
+        self._key = key
         self.base_url = f"http://127.0.0.1:{port}"
         self._updater: WeightUpdater | None = None
         self._adapter: tuple[str, Path] | None = None
@@ -160,7 +164,7 @@ class VllmServer:
         req = urllib.request.Request(
             self.base_url + path,
             data=data,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **self.headers},
             method="POST" if data else "GET",
         )
         try:
@@ -178,6 +182,12 @@ class VllmServer:
             return raw.decode(errors="replace")
 
     @property
+    def headers(self) -> dict[str, str]:
+        """What a request to this server carries besides its body: the owner's key (the server answers 401
+        without it)."""
+        return {"Authorization": f"Bearer {self._key}"}
+
+    @property
     def client(self) -> ServerClient:
         """The ``openai``-based client of the ``/v1`` endpoints (its ``achoices_many`` serves async trainers)."""
         if self._client is None:
@@ -185,7 +195,11 @@ class VllmServer:
             from model_support.core.serving.client import ServerClient
 
             self._client = ServerClient(
-                self.base_url, label="vLLM", root_cause=self.root_cause, log_path=self.process.log_path
+                self.base_url,
+                label="vLLM",
+                root_cause=self.root_cause,
+                log_path=self.process.log_path,
+                api_key=self._key,
             )
         return self._client
 
@@ -334,7 +348,7 @@ def server_command(
         "--port",
         str(port),
         "--middleware",
-        "ms_vllm_ext.served_name",
+        "ms_vllm_ext.middleware",
         "--max-logprobs",
         "20",
     ]
@@ -346,10 +360,12 @@ def server_command(
     return args
 
 
-def server_env(runtime: RuntimeInfo, options: ServeOptions) -> dict[str, str]:
-    """The server's environment: this process's, with the project's vLLM extension and the runtime's path first."""
+def server_env(runtime: RuntimeInfo, options: ServeOptions, key: str) -> dict[str, str]:
+    """The server's environment: this process's, with the project's vLLM extension and the runtime's path first,
+    and the key every request must carry (``vllm_ext/ms_vllm_ext.py``)."""
     env = {
         **os.environ,
+        SERVER_KEY_ENV: key,
         "HF_HUB_OFFLINE": "1",
         # The project's vLLM extension, then where the runtime's vLLM lives when it is on a path of its own.
         "PYTHONPATH": os.pathsep.join((str(EXT_DIR), *runtime.pythonpath)),
@@ -399,7 +415,8 @@ class VllmBackend:
         options = options.for_checkpoint(model_dir)
         features = VllmFeatures(runtime.vllm_version)
         args = server_command(runtime, features, model_dir, served_name, port, options)
-        env = server_env(runtime, options)
+        key = secrets.token_urlsafe(32)
+        env = server_env(runtime, options, key)
         process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
-        server = VllmServer(process, port, served_name, model_dir, options, features)
+        server = VllmServer(process, port, served_name, model_dir, options, features, key)
         return server.wait_ready() if wait else server.start_in_background()

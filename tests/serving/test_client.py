@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,7 +34,7 @@ def _raw_completion(server: Server, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         f"{server.base_url}/v1/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **server.headers},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())["choices"][0]
@@ -179,3 +180,34 @@ def test_choices_many_inside_an_event_loop_points_to_the_async_variant():
 
     with pytest.raises(RuntimeError, match="await achoices_many"):
         asyncio.run(inside())
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
+        ("POST", "/model_support/served_model_name", {"name": "stolen@9"}),
+        ("POST", "/pause?mode=abort", None),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"model": "x", "prompt": [1, 2], "max_tokens": 1}),
+    ],
+)
+def test_a_request_without_the_owners_key_is_refused_and_changes_nothing(
+    server: Server, method: str, path: str, body: dict[str, Any] | None
+):
+    before = server.completion([11, 12, 13], max_tokens=1, temperature=0.0, logprobs=0)
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        request = urllib.request.Request(
+            f"{server.base_url}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **headers},
+            method=method,
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 401
+    # still serving, under the same name, the same answer
+    assert server.models() == [server.served_name]
+    after = server.completion([11, 12, 13], max_tokens=1, temperature=0.0, logprobs=0)
+    assert after["token_ids"] == before["token_ids"]
+    assert after["logprobs"]["token_logprobs"] == before["logprobs"]["token_logprobs"]

@@ -124,7 +124,8 @@ def _running(server: Server) -> float:
     """vLLM's gauge of the requests being generated now (its Prometheus /metrics)."""
     import urllib.request
 
-    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+    request = urllib.request.Request(f"{server.base_url}/metrics", headers=server.headers)
+    with urllib.request.urlopen(request, timeout=10) as resp:
         lines = resp.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running{"))
 
