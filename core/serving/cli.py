@@ -13,6 +13,7 @@ from rich.console import Console
 from model_support.core import progress
 from model_support.core.serving.runtime import (
     DISTRIBUTIONS,
+    check_install_root,
     detect_flavor,
     install_runtime,
     load_runtime,
@@ -36,7 +37,7 @@ def install(
     chosen = flavor or detect_flavor()
     if chosen not in DISTRIBUTIONS:
         raise typer.BadParameter(f"flavor must be one of {', '.join(DISTRIBUTIONS)}, got {chosen!r}")
-    target = root or runtime_root()
+    target = check_install_root(root or runtime_root())
     dist, default = DISTRIBUTIONS[chosen]
     # Each pip step shows its progress on stderr (a spinner on a terminal, a line at its start and end elsewhere).
     with progress.shown_on(err), progress.step(f"installing {dist} {version or default} into {target}"):

@@ -187,22 +187,61 @@ def _cpu_requirements(python: Path, distribution: str, env: dict[str, str]) -> t
     return keep, torch_version
 
 
+def check_install_root(root: Path) -> Path:
+    """``root`` (absolute) if a runtime may be installed there: missing, empty, or a runtime this project installed;
+    else a one-line :class:`ServingError` naming it (nothing there is ever deleted)."""
+    root = root.absolute()
+    manifest = root / MANIFEST
+    if root.exists() and (not root.is_dir() or (any(root.iterdir()) and not manifest.is_file())):
+        raise ServingError(
+            f"{root} is not empty and holds no model-support runtime ({MANIFEST}): choose another --root, or empty it "
+            "yourself"
+        )
+    if manifest.is_file() and not json.loads(manifest.read_text()).get("managed", True):
+        raise ServingError(f"{root} records a vLLM the node already had (runtime use): choose another --root")
+    return root
+
+
 def install_runtime(
     root: Path | None = None,
     flavor: Flavor | None = None,
     version: str | None = None,
     python: Path | None = None,
 ) -> RuntimeInfo:
-    """Create (or re-create) the runtime venv and install vLLM into it; returns what was installed."""
-    root = root or runtime_root()
+    """Create (or re-create) the runtime venv and install vLLM into it; returns what was installed.
+
+    Built beside ``root`` and moved there only once vLLM imports: a failed install leaves ``root`` as it was (a
+    working runtime keeps working). ``root`` must be missing, empty, or a runtime this project recorded
+    (``runtime.json``); any other directory is refused by name, nothing deleted."""
+    root = check_install_root(root or runtime_root())
     flavor = flavor or detect_flavor()
     distribution, default_version = DISTRIBUTIONS[flavor]
     version = version or default_version
     started = time.monotonic()
+    build = root.parent / f".{root.name}.installing"
+    if build.exists():  # an install killed before it finished (this project's own name for it)
+        shutil.rmtree(build)
+    build.mkdir(parents=True)
+    try:
+        info = _install_into(build, root, flavor, distribution, version, python, started)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+    # The new runtime in, the old one out: a venv run as ``python -m`` works from where it is moved to.
+    old = root.parent / f".{root.name}.replaced"
     if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
-    venv = root / "venv"
+        shutil.rmtree(old, ignore_errors=True)
+        root.rename(old)
+    build.rename(root)
+    shutil.rmtree(old, ignore_errors=True)
+    return info
+
+
+def _install_into(
+    build: Path, root: Path, flavor: Flavor, distribution: str, version: str, python: Path | None, started: float
+) -> RuntimeInfo:
+    """The runtime built in ``build``, recorded for where it will live (``root``)."""
+    venv = build / "venv"
     base_python = str(python or getattr(sys, "_base_executable", sys.executable))
     env = _pip_env()
     _run([base_python, "-m", "venv", str(venv)], env, "creating the venv")
@@ -221,7 +260,7 @@ def install_runtime(
     )
     info = RuntimeInfo(
         root=str(root),
-        python=str(py),
+        python=str(root / "venv" / "bin" / "python"),
         flavor=flavor,
         distribution=distribution,
         vllm_version=vllm_version,
@@ -230,5 +269,5 @@ def install_runtime(
         install_seconds=round(time.monotonic() - started, 1),
         size_bytes=_dir_size(venv),
     )
-    (root / MANIFEST).write_text(json.dumps(asdict(info), indent=2) + "\n")
+    (build / MANIFEST).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info

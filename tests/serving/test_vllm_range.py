@@ -55,9 +55,10 @@ def test_the_server_command_has_the_flags_its_vllm_has(tmp_path: Path):
 
 
 def test_a_runtime_on_a_path_of_its_own_is_put_after_the_extension():
-    env = server_env(_runtime("0.26.0", ("/tmp/vsite", "/opt/more")), ServeOptions())
+    env = server_env(_runtime("0.26.0", ("/tmp/vsite", "/opt/more")), ServeOptions(), "k")
     ext, *rest = env["PYTHONPATH"].split(":")
     assert ext.endswith("vllm_ext") and rest == ["/tmp/vsite", "/opt/more"]
+    assert env["MODEL_SUPPORT_SERVER_KEY"] == "k"  # the key in the environment, never on the command line
 
 
 @pytest.mark.parametrize(
@@ -126,3 +127,43 @@ def test_runtime_use_refuses_an_interpreter_without_vllm_and_writes_nothing(pyth
     (line,) = result.stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "rt").exists()
+
+
+def test_runtime_install_refuses_a_directory_it_did_not_make(tmp_path: Path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "thesis.txt").write_text("years of work")
+    result = _cli("install", "--root", str(tmp_path))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{tmp_path} is not empty and holds no model-support runtime (runtime.json)" in line
+    assert (tmp_path / "notes" / "thesis.txt").read_text() == "years of work"
+
+
+def test_a_failed_reinstall_leaves_the_working_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from model_support.core.serving import runtime as rt
+
+    root = tmp_path / "rt"
+    root.mkdir()
+    (root / "runtime.json").write_text(json.dumps({"managed": True}))
+    (root / "venv").mkdir()
+    (root / "venv" / "marker").write_text("the working runtime")
+
+    def failing(build: Path, *args: object) -> None:
+        (build / "venv").mkdir()  # half-built
+        raise ServingError("runtime install: pip install vllm==9 failed (exit 1): no such version")
+
+    monkeypatch.setattr(rt, "_install_into", failing)
+    with pytest.raises(ServingError, match="no such version"):
+        rt.install_runtime(root, "cpu", "9")
+    assert (root / "venv" / "marker").read_text() == "the working runtime"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rt"]  # nothing half-built left beside it
+
+    def succeeding(build: Path, *args: object) -> str:
+        (build / "venv").mkdir()
+        (build / "runtime.json").write_text("{}")
+        return "installed"
+
+    monkeypatch.setattr(rt, "_install_into", succeeding)
+    assert rt.install_runtime(root, "cpu", "9") == "installed"
+    assert not (root / "venv" / "marker").exists() and (root / "runtime.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rt"]
