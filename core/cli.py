@@ -264,7 +264,13 @@ def check(
     ] = False,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
-    from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
+    from model_support.core.outputs import (
+        check_report_inputs,
+        check_report_path,
+        check_workdir,
+        finish_run_dir,
+        start_run_dir,
+    )
     from model_support.validation.context import CheckContext
     from model_support.validation.report import render_terminal, write_reports
     from model_support.validation.runner import plan, run_checks
@@ -279,6 +285,8 @@ def check(
     chosen_layouts = parse_layouts(layouts) if layouts else None
     registry, registered = _loaded(prefer)
     source = source_for(target, registry, tiny)
+    reports = {"--json": json_out, "--markdown": markdown_out, "--junit": junit_out}
+    check_report_inputs({option: path for option, path in reports.items() if path is not None}, source.directory)
     _check_preferred(prefer, registry, source)
     handler = api.resolve(source, registry=registry)
     if alone and not stage:
@@ -341,7 +349,12 @@ def selftest(
 ) -> None:
     """Inject named bugs into the real code path on tiny replicas: each must make its stage fail, and the same
     stages must pass without it. Exit status 1 when a bug went uncaught or a clean run failed."""
-    from model_support.core.outputs import check_report_path, check_workdir, finish_run_dir, start_run_dir
+    from model_support.core.outputs import (
+        check_report_path,
+        check_workdir,
+        finish_run_dir,
+        start_run_dir,
+    )
     from model_support.validation.selftest_runner import markdown_table, run_selftest
 
     if markdown_out is not None:

@@ -88,6 +88,23 @@ def check_report_path(option: str, path: Path) -> None:
         raise OutputPathError(f"{option} {path}: {ancestor} is not writable; choose another path")
 
 
+def check_report_inputs(reports: dict[str, Path], model_dir: Path) -> None:
+    """Report files must not be an input of the run (a file of the model directory checked: ``--json
+    MODEL/config.json`` would overwrite the config) nor the same file twice (one report would replace the other)."""
+    seen: dict[Path, str] = {}
+    inside = model_dir.resolve()
+    for option, path in reports.items():
+        resolved = path.resolve()
+        if resolved in seen:
+            raise OutputPathError(f"{seen[resolved]} and {option} both name {path}; give each report its own file")
+        seen[resolved] = option
+        if resolved.exists() and resolved.is_relative_to(inside):
+            raise OutputPathError(
+                f"{option} {path}: is a file of the model directory being checked ({model_dir}); write reports "
+                "elsewhere"
+            )
+
+
 def _can_create_in(directory: Path) -> bool:
     """Whether a file can be created in ``directory`` (tried: permission bits say nothing for root or /proc)."""
     try:

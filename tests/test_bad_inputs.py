@@ -138,6 +138,20 @@ def test_report_paths_are_checked_before_any_stage_runs(tmp_path: Path) -> None:
     assert "--junit /proc/x.xml: /proc is not writable" in line
 
 
+def test_a_report_path_that_is_an_input_or_named_twice_is_refused_before_the_run(tmp_path: Path) -> None:
+    path = _write_config(tmp_path, QWEN3)
+    before = path.read_bytes()
+    line = _one_line_error(run_cli("check", str(path), "--json", str(path), "-s", "architecture"))
+    assert f"--json {path}: is a file of the model directory being checked ({tmp_path}); write reports" in line
+    assert path.read_bytes() == before
+    report = tmp_path.parent / f"{tmp_path.name}-report"
+    line = _one_line_error(
+        run_cli("check", "qwen3", "--tiny", "--json", str(report), "--junit", str(report), "-s", "architecture")
+    )
+    assert f"--json and --junit both name {report}; give each report its own file" in line
+    assert not report.exists()
+
+
 def test_workdir_that_is_a_file(tmp_path: Path) -> None:
     file = tmp_path / "work"
     file.write_text("x")
