@@ -343,12 +343,12 @@ def push_adapter(server: Server | None, model: TrainingModel) -> str | None:
     writes = not dist.is_initialized() or dist.get_rank() == 0
     # Only rank 0 writes the adapter (export_adapter); the other ranks' directory is never created.
     out = Path(tempfile.mkdtemp(prefix="adapter-")) if writes else Path(tempfile.gettempdir()) / "adapter-unused"
-    export_adapter(model, out)
-    if server is None:
+    try:
+        export_adapter(model, out)
+        return None if server is None else server.update_adapter(out)  # the server loads a copy of its own
+    finally:
         if writes:
             shutil.rmtree(out, ignore_errors=True)
-        return None
-    return server.update_adapter(out)
 
 
 def forward_backward(

@@ -257,21 +257,40 @@ class VllmServer:
 
     def update_adapter(self, adapter_dir: Path) -> str:
         """Hot-swap the served LoRA adapter: load the PEFT adapter at ``adapter_dir`` as ``<model>-lora@N+1`` (the
-        base keeps its name and weights), then unload ``@N`` and remove its directory; returns the new name.
-        The server owns ``adapter_dir`` from now on (vLLM may read it again while the adapter is loaded)."""
+        base keeps its name and weights), then unload ``@N``; returns the new name. The server loads its own copy
+        of the adapter's files (``adapter_*``, in the server's temporary directory, removed when that adapter is
+        unloaded): ``adapter_dir`` is left as it was, and may be reused for the next step."""
         model, _ = parse_served_name(self.served_name)
         previous = self._adapter
         step = 0 if previous is None else parse_served_name(previous[0])[1]
         name = served_name(f"{model}-lora", step + 1)
-        self.load_lora(name, Path(adapter_dir))
-        self._adapter = (name, Path(adapter_dir))
+        copy = self._adapter_copy(Path(adapter_dir), name)
+        try:
+            self.load_lora(name, copy)
+        except BaseException:
+            shutil.rmtree(copy, ignore_errors=True)
+            raise
+        self._adapter = (name, copy)
         if previous is not None:
             self.unload_lora(previous[0])
             shutil.rmtree(previous[1], ignore_errors=True)
         return name
 
+    def _adapter_copy(self, adapter_dir: Path, name: str) -> Path:
+        """The adapter's files (its config and weights: ``adapter_*``) copied where only this server reads them."""
+        if not (adapter_dir / ADAPTER_CONFIG).is_file():
+            raise ServerError(f"{adapter_dir} holds no {ADAPTER_CONFIG}: not a PEFT adapter directory")
+        assert self.process.tmp_dir is not None  # a started process has its temporary directory
+        copy = self.process.tmp_dir / "adapters" / name
+        copy.mkdir(parents=True)
+        for path in adapter_dir.iterdir():
+            if path.name.startswith("adapter_") and path.is_file():
+                shutil.copy2(path, copy / path.name)
+        return copy
+
     def remove_adapter(self) -> None:
-        """Unload the adapter :meth:`update_adapter` serves (and remove its directory); nothing if there is none."""
+        """Unload the adapter :meth:`update_adapter` serves (and remove the server's copy); nothing if there is
+        none."""
         if self._adapter is not None:
             name, path = self._adapter
             self.unload_lora(name)

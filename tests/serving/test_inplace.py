@@ -3,6 +3,7 @@ routes, or staged as a checkpoint), same PID, served name advances; a push durin
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,23 +170,30 @@ def test_a_push_during_a_long_generation_keeps_it_going_with_per_token_epochs(qw
 
 @pytest.mark.slow
 def test_lora_hot_swap_advances_the_adapter_and_keeps_the_base(qwen3_server, tiny_model_dir, tmp_path):
+    """Each step exported into one fixed directory (as a trainer does), a file of the user's beside it: the server
+    loads its own copy, so nothing of the caller's is deleted, and the copy of an unloaded adapter is removed."""
     server, base = qwen3_server, tiny_model_dir("qwen3")
     name = server.update_weights(buckets(base_tensors(base), max_bytes=1 << 30))  # the checkpoint's own weights again
     base_out = _served(server)
+    fixed = tmp_path / "adapter"
     names = []
     for step in (1, 2):
         adapter = random_adapter(base, TARGETS, tmp_path / f"hot-{step}", seed=60 + step)
         expected = _reference(export_merged(base, adapter, tmp_path / f"merged-{step}"))
-        names.append(server.update_adapter(adapter))
+        shutil.copytree(adapter, fixed, dirs_exist_ok=True)
+        (fixed / "notes.txt").write_text("the user's")
+        names.append(server.update_adapter(fixed))
         assert names[-1] == f"qwen3-lora@{step}"
         assert (_served(server, names[-1]) - expected).abs().max().item() < FP32_TOL
     assert sorted(server.models()) == sorted([name, "qwen3-lora@2"])
-    assert not (tmp_path / "hot-1").exists()  # the unloaded adapter's files are removed
+    copies = server.process.tmp_dir / "adapters"
+    assert sorted(p.name for p in copies.iterdir()) == ["qwen3-lora@2"]  # the unloaded adapter's copy is removed
+    assert (fixed / "notes.txt").read_text() == "the user's" and (fixed / "adapter_config.json").exists()
     with pytest.raises(ServerError, match=r"404.*qwen3-lora@1"):
         server.completion(PROMPT, model="qwen3-lora@1", max_tokens=1)
     assert (_served(server) - base_out).abs().max().item() < 1e-6  # the base is untouched
     server.remove_adapter()
-    assert server.models() == [name] and not (tmp_path / "hot-2").exists()
+    assert server.models() == [name] and not any(copies.iterdir()) and (fixed / "notes.txt").exists()
 
 
 @pytest.mark.slow
