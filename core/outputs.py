@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -129,49 +130,47 @@ def check_workdir(path: Path) -> None:
 
 
 RUN_PREFIX = "model-support-run-"
-_OWNER = ".owner-pid"  # present while the run that made the directory is alive: "PID START_TICKS"
+# Held locked (flock) by the run that made the directory while it lives: the lock goes with the process however it
+# ends, and another run sees it on the same file whatever PID namespace either runs in (a PID names nothing across
+# namespaces: a live run in another container was once judged dead by its PID and deleted).
+_OWNER = ".owner-lock"
+_held: dict[Path, int] = {}  # run directory -> the descriptor holding its lock
 
 
-def _started(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks after boot, from /proc; None when there is no such process): with
-    the PID, this names one process, also after the PID is reused."""
+def _hold_lock(run_dir: Path) -> int:
+    """Lock ``run_dir``'s owner file for this process: locked under a name no cleaner reads, then renamed into
+    place (the lock follows the file), so no other run ever finds the file unlocked while this one lives."""
+    staged = run_dir / f"{_OWNER}.new"
+    fd = os.open(staged, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{os.getpid()}\n".encode())  # for a person reading it; the lock is what counts
+    staged.rename(run_dir / _OWNER)
+    return fd
+
+
+def _owner_alive(lock: Path) -> bool:
+    """Whether the run that made ``lock`` still holds it (False: its process is gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fd = os.open(lock, os.O_RDWR)
     except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[19]
-
-
-def _exists(pid: int) -> bool:
+        return True  # unreadable: not ours to judge
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
-
-
-def _owner_alive(marker: str) -> bool:
-    """Whether the process a run directory's marker names still runs (a bare PID: any process with that PID)."""
-    pid, _, started = marker.strip().partition(" ")
-    now = _started(int(pid))
-    if now is None:  # gone, or not ours to see (/proc mounted with hidepid)
-        return _exists(int(pid))
-    return not started or now == started
+    finally:
+        os.close(fd)  # releases the lock if it was taken
+    return False
 
 
 def clean_dead_runs(parent: Path) -> list[Path]:
     """Remove the run directories under ``parent`` whose run died without finishing (e.g. ``kill -9``): their
-    children's temporary files go with them (see ``ManagedProcess``)."""
+    children's temporary files go with them (see ``ManagedProcess``). Finished runs drop their lock file: what they
+    kept stays."""
     removed = []
     for candidate in parent.glob(f"{RUN_PREFIX}*"):
-        marker = candidate / _OWNER
-        try:
-            alive = _owner_alive(marker.read_text())
-        except (OSError, ValueError):
-            continue  # finished runs drop the marker; what they kept stays
-        if not alive:
+        lock = candidate / _OWNER
+        if lock.is_file() and not _owner_alive(lock):
             shutil.rmtree(candidate, ignore_errors=True)
             removed.append(candidate)
     return removed
@@ -185,7 +184,7 @@ def start_run_dir(workdir: Path | None) -> Path:
     """A fresh directory that this run owns: under ``workdir`` when given, else in the system's temp directory.
 
     Each run gets its own (timestamp and PID in the name), so runs in one ``--workdir`` never share files and a
-    re-run never meets the last one's exports. Directories of runs that died are removed first. Until
+    re-run never meets the last one's exports. Directories of runs that died (their lock free) are removed first. Until
     :func:`finish_run_dir`, this process's temporary files (``TMPDIR``, :mod:`tempfile`) go to the run's ``tmp/``,
     and so do those of the children it starts (``ManagedProcess`` gives each its own); torch's compile cache is
     kept between runs (:func:`~model_support.core.serving.process.compile_cache_dir`).
@@ -194,7 +193,7 @@ def start_run_dir(workdir: Path | None) -> Path:
     clean_dead_runs(parent)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{stamp}-{os.getpid()}-", dir=parent))
-    (run_dir / _OWNER).write_text(f"{os.getpid()} {_started(os.getpid())}")
+    _held[run_dir] = _hold_lock(run_dir)
     tmp = run_dir / _TMP
     tmp.mkdir()
     redirect = temp_env(tmp)
@@ -223,3 +222,6 @@ def finish_run_dir(run_dir: Path, *, keep: bool) -> None:
         (run_dir / _OWNER).unlink(missing_ok=True)
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
+    fd = _held.pop(run_dir, None)
+    if fd is not None:
+        os.close(fd)

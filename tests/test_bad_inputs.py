@@ -307,14 +307,28 @@ def test_workdir_is_reusable_and_runs_never_share_files(tmp_path: Path) -> None:
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     runs = sorted(work.glob("model-support-run-*"))
     assert len(runs) == 2 and all((r / "tiny-model" / "config.json").is_file() for r in runs)
-    # A run that was killed (its PID gone) leaves a marked directory; the next run removes it.
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    # A run that was killed leaves its directory with a lock file nobody holds; the next run removes it. One whose
+    # lock is held (a live run, in this PID namespace or another: here a process that holds it) is left alone.
     crashed = work / "model-support-run-20260101-000000-1-x"
     crashed.mkdir()
-    (crashed / ".owner-pid").write_text(dead.stdout.strip())
-    assert run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work)).returncode == 0
-    assert not crashed.exists()
-    assert len(list(work.glob("model-support-run-*"))) == 3
+    (crashed / ".owner-lock").write_text("1\n")
+    live = work / "model-support-run-20260101-000000-2-y"
+    live.mkdir()
+    (live / ".owner-lock").write_text("2\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(600)", str(live / ".owner-lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work)).returncode == 0
+        assert not crashed.exists()
+        assert live.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(list(work.glob("model-support-run-*"))) == 4
 
 
 def test_model_type_that_contradicts_the_architecture_fails_architecture(tmp_path: Path) -> None:

@@ -166,10 +166,10 @@ def test_sigkill_takes_the_parallel_job_and_its_ranks_down_and_the_next_run_remo
     # The launcher sees its parent die: it kills the family itself.
     assert _left_after_polls(tmp_path, check) == []
     assert not _listening(port)
-    # A dead process cannot clean up: its run directory (children's temporary files included) stays, marked with
-    # its PID, until the next run in the same place starts.
+    # A dead process cannot clean up: its run directory (children's temporary files included) stays, its lock file
+    # free, until the next run in the same place starts.
     (dead_run,) = (tmp_path / "tmp").glob(f"{RUN_PREFIX}*")
-    assert (dead_run / ".owner-pid").read_text().split()[0] == str(check.pid)
+    assert (dead_run / ".owner-lock").read_text().split()[0] == str(check.pid)
     next_run = start_run_dir(tmp_path / "tmp")
     finish_run_dir(next_run, keep=False)
     assert _leftovers(tmp_path / "tmp") == []
