@@ -27,7 +27,7 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -140,7 +140,9 @@ class WeightUpdater:
     # ------------------------------------------------------------------ files
     def _files(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         step_dir = self.staging_root / f"step-{self.step + 1}"
-        weights_dir = write_checkpoint(buckets, step_dir, support_from=self.support_from, check=self._check_complete)
+        weights_dir = write_checkpoint(
+            self._checked(buckets), step_dir, support_from=self.support_from, check=self._check_complete
+        )
         try:
             self._swap(
                 lambda: self.server.reload_weights(weights_dir),
@@ -186,6 +188,19 @@ class WeightUpdater:
             got = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
             if got != (dtype, shape):
                 raise self._mismatch(f"{name} is {got[0]} {list(got[1])}, the checkpoint's {dtype} {list(shape)}")
+            # A NaN or infinite weight serves garbage (every sample token 0) and no later request says why.
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise self._mismatch(f"{name} holds {bad} non-finite value(s)")
+
+    def _checked(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> Iterator[Mapping[str, torch.Tensor]]:
+        """``buckets``, each checked as the stream's are (names, duplicates, dtypes, shapes, finite values) before
+        it goes on: the staged transport refuses what the stream refuses."""
+        sent: set[str] = set()
+        for bucket in buckets:
+            self._check_bucket(bucket, sent)
+            sent.update(bucket)
+            yield bucket
 
     def _stream(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file

@@ -3,6 +3,7 @@ routes, or staged as a checkpoint), same PID, served name advances; a push durin
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,24 @@ def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path)
     assert not (tmp_path / "stray.safetensors").exists()
     assert server.models() == [name]
     assert (_served(server) - before).abs().max().item() < 1e-6
+
+
+def test_a_non_finite_weight_is_refused_on_either_transport(qwen3_server, tiny_model_dir):
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    name, before = server.served_name, _served(server)
+    staging = server.process.log_path.parent / "qwen3-weights"
+    files, staged = WeightUpdater(server, staging, base, stream=False), sorted(staging.glob("step-*"))
+    for poison in (float("nan"), float("inf")):
+        steps = list(buckets(base_tensors(base), max_bytes=1 << 30))
+        steps[-1] = {k: v.clone() for k, v in steps[-1].items()}
+        key = next(iter(steps[-1]))
+        steps[-1][key].view(-1)[3] = poison
+        for update in (server.update_weights, files.update):
+            with pytest.raises(ServingError, match=rf"{re.escape(key)} holds 1 non-finite value\(s\); nothing was"):
+                update(steps)
+            assert server.models() == [name]
+            assert (_served(server) - before).abs().max().item() < 1e-6
+    assert sorted(staging.glob("step-*")) == staged and not _pushes_left()  # nothing of the refused steps left
 
 
 def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir):
