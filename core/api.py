@@ -213,12 +213,36 @@ def export_adapter(model: TrainingModel, out_dir: str | Path) -> Path:
 
 
 def load_adapter(model: TrainingModel, adapter_dir: str | Path) -> None:
-    """Load a PEFT adapter (e.g. one :func:`export_adapter` wrote) into the model's LoRA through the codec."""
-    from model_support.core.codecs import load_peft_adapter
-    from model_support.core.megatron.lora import load_lora_state
+    """Load a PEFT adapter (e.g. one :func:`export_adapter` wrote) into the model's LoRA through the codec.
 
-    _require_lora(model)
-    _, tensors = load_peft_adapter(Path(adapter_dir))
+    Everything is checked before the model changes: the adapter's rank and alpha must be the model's LoRA's (the
+    scale alpha / r is the model's; rsLoRA's alpha / sqrt(r) is not), every tensor the codec maps must be there
+    with its shape and finite; a refusal is one :class:`~model_support.core.megatron.lora.LoraError` line and the
+    LoRA is as it was."""
+    import math
+
+    from model_support.core.codecs import load_peft_adapter
+    from model_support.core.megatron.lora import LoraError, load_lora_state
+
+    lora = _require_lora(model)
+    config, tensors = load_peft_adapter(Path(adapter_dir))
+    first = next(iter(lora.wrapped.values()))
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if config.get("use_rslora"):
+        raise LoraError(f"{adapter_dir} is an rsLoRA adapter (scale alpha / sqrt(r)); the model's LoRA's is alpha / r")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha) or rank != first.rank:
+        raise LoraError(
+            f"{adapter_dir} has r={rank!r}, lora_alpha={alpha!r}; the model's LoRA has r={first.rank}, "
+            f"lora_alpha={first.alpha:g}: apply_lora with the adapter's rank and alpha to load it"
+        )
+    if float(alpha) != float(first.alpha):
+        raise LoraError(
+            f"{adapter_dir} has lora_alpha={alpha:g}, the model's LoRA {first.alpha:g}: loading it would scale every "
+            "update differently; apply_lora with the adapter's alpha to load it"
+        )
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise LoraError(f"{adapter_dir}: {name} holds non-finite values; nothing was loaded")
     load_lora_state(model.chunks, model.spec.codec.from_peft(tensors, model.config, model.layout))
 
 

@@ -314,6 +314,14 @@ def load_lora_state(model: Chunks, tensors: Mapping[str, torch.Tensor]) -> None:
     if set(tensors) != expected:
         extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
         raise LoraError(f"LoRA tensors do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    # Every tensor checked before any is loaded: a refusal half-way would leave the model half-loaded.
+    for name, module in modules.items():
+        for factor, want in zip("AB", module.canonical_shapes(), strict=True):
+            tensor = tensors[f"{name}.lora_{factor}.weight"]
+            if tuple(tensor.shape) != want:
+                raise LoraError(f"{name}.lora_{factor}.weight is {list(tensor.shape)}, the model's is {list(want)}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise LoraError(f"{name}.lora_{factor}.weight holds non-finite values; nothing was loaded")
     for name, module in modules.items():
         module.load_canonical(tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"])
 

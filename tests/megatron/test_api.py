@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from model_support.core import api
+from model_support.core.codecs import CodecError
 from model_support.core.errors import ModelSupportError
 from model_support.core.megatron.dist import ParallelLayoutError
 from model_support.core.megatron.lora import LoraError, load_lora_state, lora_state, random_lora_state
@@ -71,6 +74,39 @@ def test_adapter_export_and_load_round_trip_exactly(qwen35, tmp_path):
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c, t: c.update(lora_alpha=32), "has lora_alpha=32, the model's LoRA 8: loading it would scale every"),
+        (
+            lambda c, t: c.update(lora_alpha=float("nan")),
+            "has r=4, lora_alpha=nan; the model's LoRA has r=4, lora_alpha=8",
+        ),
+        (lambda c, t: c.update(use_rslora=True), "is an rsLoRA adapter (scale alpha / sqrt(r))"),
+        (lambda c, t: t[next(iter(t))].view(-1).__setitem__(0, float("nan")), "holds non-finite values; nothing was"),
+        (lambda c, t: t.__setitem__(next(k for k in t if "lora_B" in k), torch.zeros(3, 4)), "does the LoRA match"),
+    ],
+)
+def test_an_adapter_that_does_not_fit_is_refused_before_the_lora_changes(qwen35, tmp_path, edit, message):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=5, b_std=0.05))
+    adapter = api.export_adapter(qwen35, tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    edit(config, tensors)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    kept = random_lora_state(qwen35.module, seed=11, b_std=0.05)
+    load_lora_state(qwen35.module, kept)
+    with pytest.raises((LoraError, CodecError), match=re.escape(message)):
+        api.load_adapter(qwen35, adapter)
+    now = lora_state(qwen35.module)
+    assert all(torch.equal(now[k], kept[k]) for k in kept)  # nothing loaded
+
+
 def test_packed_token_logprobs_equal_separate_runs_and_carry_gradients(qwen35):
     load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=6, b_std=0.05))
     sequences = [[5, 9, 33, 71, 2, 8], [40, 41, 42], [300, 12, 7, 7]]
@@ -129,3 +165,15 @@ def test_save_merged_writes_a_servable_checkpoint_of_the_live_weights(qwen35, tm
     with pytest.raises(ExportError, match="already exists"):
         api.save_merged(qwen35, out)
     assert not list(tmp_path.glob(".merged.partial"))
+
+
+def test_lora_state_of_a_wrong_shape_loads_nothing(qwen35):
+    kept = random_lora_state(qwen35.module, seed=12, b_std=0.05)
+    load_lora_state(qwen35.module, kept)
+    wrong = random_lora_state(qwen35.module, seed=13, b_std=0.05)
+    last = sorted(k for k in wrong if k.endswith("lora_B.weight"))[-1]
+    wrong[last] = torch.zeros(wrong[last].shape[0] + 1, wrong[last].shape[1])
+    with pytest.raises(LoraError, match=rf"{re.escape(last)} is \[\d+, \d+\], the model's is"):
+        load_lora_state(qwen35.module, wrong)
+    now = lora_state(qwen35.module)
+    assert all(torch.equal(now[k], kept[k]) for k in kept)  # not half-loaded
