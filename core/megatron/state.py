@@ -11,6 +11,7 @@ before the model, the optimizer or the RNGs are touched.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from model_support.core.errors import ModelSupportError
 from model_support.core.megatron.lora import Chunks, lora_modules
 
-FORMAT = "model-support-train-state/1"
+FORMAT = "model-support-train-state/2"
 MANIFEST = "manifest.json"
 
 
@@ -97,6 +98,23 @@ def _lora_tensors(chunks: Chunks) -> dict[str, torch.Tensor]:
     }
 
 
+def _base_fingerprint(chunks: Chunks) -> str:
+    """A digest of the frozen base weights this rank holds (names, shapes, dtypes and up to 4096 values of each,
+    evenly spread): a state is resumed on the checkpoint it was trained on, not another of the same shapes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for chunk in chunks if isinstance(chunks, list) else [chunks]:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                continue
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu()
+            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _rng_states() -> dict[str, Any]:
     """Every RNG a step may draw from: torch's CPU and current CUDA device's, Python's, numpy's (when installed) and
     megatron-core's tensor-parallel CUDA RNG tracker (when initialised). Plain tensors, tuples and numbers only, so
@@ -152,6 +170,7 @@ def save_state(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, *, 
         "lora": {k: v.detach().cpu() for k, v in _lora_tensors(chunks).items()},
         "optimizer": optimizer.state_dict(),
         "rng": _rng_states(),
+        "base": _base_fingerprint(chunks),
     }
     _, error = _attempt(lambda: torch.save(shard, staging / _rank_file(rank)))
     try:
@@ -162,7 +181,13 @@ def save_state(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, *, 
         raise
 
     def publish() -> None:
-        manifest = {"format": FORMAT, "step": step, "model": model, "layout": _layout()}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "model": model,
+            "layout": _layout(),
+            "optimizer": type(optimizer).__name__,
+        }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         staging.rename(path)
 
@@ -191,7 +216,24 @@ def _read(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, model: s
             f"the state at {path} was saved by {_describe(manifest['layout'])}, this run is "
             f"{_describe(_layout())}: resume in the layout it was saved in"
         )
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise StateError(f"the state at {path} has step {step!r}, not a count of steps: it was changed after saving")
+    if manifest.get("optimizer") != type(optimizer).__name__:
+        raise StateError(
+            f"the state at {path} holds a {manifest.get('optimizer')} optimizer, this one is "
+            f"{type(optimizer).__name__}: build the optimizer it was saved with"
+        )
     shard = torch.load(path / _rank_file(_world()[0]), map_location="cpu", weights_only=True)
+    missing = [key for key in ("lora", "optimizer", "rng", "base") if key not in shard]
+    missing += [f"rng.{key}" for key in ("torch", "python") if key not in shard.get("rng", {})]
+    if missing:
+        raise StateError(f"{path / _rank_file(_world()[0])} lacks {', '.join(missing)}: it was changed after saving")
+    if shard["base"] != _base_fingerprint(chunks):
+        raise StateError(
+            f"the state at {path} was trained on other base weights than this model's (same names and shapes, other "
+            "values): load it into the checkpoint it was trained on"
+        )
     saved = {k: tuple(v.shape) for k, v in shard["lora"].items()}
     here = {k: tuple(v.shape) for k, v in _lora_tensors(chunks).items()}
     if saved != here:
@@ -216,9 +258,35 @@ def load_state(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, *, 
     path = Path(path)
     shard, error = _attempt(lambda: _read(chunks, optimizer, path, model))
     _all_agree(error)
-    with torch.no_grad():
-        for name, param in _lora_tensors(chunks).items():
-            param.copy_(shard["lora"][name])
-    optimizer.load_state_dict(shard["optimizer"])
-    _set_rng_states(shard["rng"])
+    # What is left to go wrong (an optimizer state of another shape, an RNG state torch refuses) is found while
+    # loading: everything is put back as it was before the error is raised.
+    lora = _lora_tensors(chunks)
+    before = ({k: v.detach().clone() for k, v in lora.items()}, copy.deepcopy(optimizer.state_dict()), _rng_states())
+
+    def apply() -> None:
+        with torch.no_grad():
+            for name, param in lora.items():
+                param.copy_(shard["lora"][name])
+        optimizer.load_state_dict(shard["optimizer"])
+        _check_optimizer_state(optimizer)
+        _set_rng_states(shard["rng"])
+
+    _, error = _attempt(apply)
+    if error is not None:
+        with torch.no_grad():
+            for name, param in lora.items():
+                param.copy_(before[0][name])
+        optimizer.load_state_dict(before[1])
+        _set_rng_states(before[2])
+    _all_agree(None if error is None else f"the state at {path} does not fit: {error}; nothing was changed")
     return int(shard["step"])
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's loaded optimizer state must have the parameter's shape (``load_state_dict`` takes any)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    shapes = f"{list(value.shape)}, its parameter {list(param.shape)}"
+                    raise StateError(f"optimizer state {key!r} is {shapes}")

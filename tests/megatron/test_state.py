@@ -136,6 +136,34 @@ def test_a_state_that_does_not_fit_is_refused_and_a_failed_save_leaves_nothing(t
     half = torch.optim.AdamW([p for p in model.module.parameters() if p.requires_grad][:8])
     assert "build the optimizer over the same parameters, in the same order" in _refusal(model, half, state)
     assert "holds no training state (manifest.json missing)" in _refusal(model, fresh_optimizer, tmp_path)
+    tampered = _edited(state, tmp_path / "tampered", step="12; rm -rf /")
+    assert "has step '12; rm -rf /', not a count of steps: it was changed after saving" in _refusal(
+        model, fresh_optimizer, tampered
+    )
+    no_rng = _edited(state, tmp_path / "no-rng")
+    shard = torch.load(no_rng / "rank-00000.pt", weights_only=True)
+    del shard["rng"]["python"]
+    torch.save(shard, no_rng / "rank-00000.pt")
+    assert _refusal(model, fresh_optimizer, no_rng).endswith("lacks rng.python: it was changed after saving")
+    sgd = torch.optim.SGD([p for p in model.module.parameters() if p.requires_grad], lr=0.1)
+    assert "holds a AdamW optimizer, this one is SGD: build the optimizer it was saved with" in _refusal(
+        model, sgd, state
+    )
+    # Another checkpoint of the same architecture and shapes (a replica of another seed): other base weights.
+    from model_support.core.tiny import build_tiny
+
+    other_dir = build_tiny(json.loads((model_dir / "config.json").read_text()), tmp_path / "other-weights", seed=1)
+    elsewhere, elsewhere_optimizer = _model(other_dir)
+    assert "was trained on other base weights than this model's (same names and shapes, other values)" in _refusal(
+        elsewhere, elsewhere_optimizer, state
+    )
+    # The optimizer's moments of another shape are only found while loading: all is put back as it was.
+    shapes = _edited(state, tmp_path / "moments")
+    shard = torch.load(shapes / "rank-00000.pt", weights_only=True)
+    first = next(iter(shard["optimizer"]["state"].values()))
+    first["exp_avg"] = torch.zeros(3)
+    torch.save(shard, shapes / "rank-00000.pt")
+    assert "does not fit: optimizer state 'exp_avg' is [3], its parameter" in _refusal(model, fresh_optimizer, shapes)
 
     def full_disk(*_args, **_kwargs):
         raise OSError("No space left on device")
