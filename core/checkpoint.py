@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from model_support.core.errors import ModelSupportError
+from model_support.core.model_files import check_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -53,22 +54,12 @@ class CheckpointError(ModelSupportError):
     """The checkpoint's weights cannot be read, or which files they are is ambiguous."""
 
 
-def _allowed_roots(model_dir: Path) -> list[Path]:
-    """Where a checkpoint file may resolve to: the model directory, and for a Hugging Face cache snapshot
-    (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``) its repository's blobs."""
-    root = model_dir.resolve()
-    return [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
-
-
 def _inside(model_dir: Path, path: Path) -> Path:
-    """``path`` (a file of ``model_dir``), refused when a symlink leads it out of the model directory."""
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in _allowed_roots(model_dir)):
-        raise CheckpointError(
-            f"{path} is a symlink to {resolved}, outside {model_dir}; copy the file into the model directory"
-        )
-    if not path.is_file():
+    """``path`` (a file of ``model_dir``), refused when a symlink leads it out of the model directory, or it is not
+    a regular file."""
+    if not path.exists():
         raise CheckpointError(f"{path} is missing or not a file; {_REDO}")
+    check_file(model_dir, path, CheckpointError)
     return path
 
 

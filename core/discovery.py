@@ -17,6 +17,7 @@ from model_support.core.errors import (
     ModelNotFoundError,
     UnknownArchitectureError,
 )
+from model_support.core.model_files import check_support_files
 from model_support.core.registry import ADD_HANDLER_HINT, RegisteredHandler, Registry
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -79,8 +80,9 @@ def locate(target: str) -> ModelSource:
         config_file = directory / "config.json"
     else:
         raise ModelNotFoundError(f"{target!r} is neither a directory, a config.json, nor a hub id (org/name)")
-    if not config_file.is_file():
+    if not config_file.exists():
         raise ModelNotFoundError(f"{directory} has no config.json; point at a Hugging Face model directory")
+    check_support_files(directory)  # before any is read: a FIFO would block, a symlink out would be followed
     raw = _json_object(config_file)
     for side_file in _SIDE_FILES:  # read by transformers and vLLM later, where a broken one would fail a stage
         if (directory / side_file).exists():

@@ -585,3 +585,26 @@ def test_a_config_transformers_rejects_leaves_no_run_directory(tmp_path: Path) -
     line = _one_line_error(run_cli("check", str(config), "-s", "architecture", "--workdir", str(work)))
     assert "cannot load" in line
     assert not work.exists() or not any(work.iterdir())
+
+
+def test_a_support_file_out_of_the_model_directory_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    _write_config(model, QWEN3)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the user's private key")
+    (model / "chat_template.jinja").symlink_to(secret)
+    line = _one_line_error(run_cli("check", str(model), "-s", "architecture"))
+    assert f"{model / 'chat_template.jinja'} is a symlink to {secret}, outside {model}" in line
+    (model / "chat_template.jinja").unlink()
+    _write_config(model, {"tokenizer_file": str(secret)}, "tokenizer_config.json")
+    line = _one_line_error(run_cli("check", str(model), "-s", "architecture"))
+    assert f"names tokenizer_file '{secret}', a file outside {model}; tokenizer files must be in the model" in line
+    _write_config(model, {"tokenizer_file": "../secret.txt"}, "tokenizer_config.json")
+    assert "a file outside" in _one_line_error(run_cli("check", str(model), "-s", "architecture"))
+    (model / "tokenizer_config.json").unlink()
+    os.mkfifo(model / "tokenizer_config.json")  # reading it would block the check forever
+    line = _one_line_error(run_cli("check", str(model), "-s", "architecture"))
+    assert f"{model / 'tokenizer_config.json'} is a FIFO, not a file" in line
