@@ -10,7 +10,7 @@ import pytest
 from model_support.core.errors import HandlerConflictError, UnknownArchitectureError
 from model_support.core.plugin_loading import load_plugins
 from model_support.core.registry import load_registry
-from model_support.validation.stage_registry import load_stages
+from model_support.validation.stage_registry import StageClashError, load_stages
 from tests.helpers import pip_install_target, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "plugins"
@@ -161,7 +161,7 @@ def test_the_harness_collects_stages_in_plugin_order_with_the_builtin_ones_in_th
         ("alpha", plugin("alpha", "a1")),
         ("bad", plugin("bad", "b1", takes_an_argument=True)),
         ("builtin", builtin),
-        ("zeta", plugin("zeta", "z1", "dependencies")),
+        ("zeta", plugin("zeta", "z1")),
     ]:
         manager.register(module, name=name)
         loaded.plugins[name] = PluginInfo(name, f"dist-{name}", "1")
@@ -174,6 +174,20 @@ def test_the_harness_collects_stages_in_plugin_order_with_the_builtin_ones_in_th
         assert names[-1] == ("z1", "zeta")
         assert found.problems == [
             "plugin 'bad' (dist-bad) skipped: model_support_stages takes ctx, the hook passes no arguments",
-            "stage 'dependencies' from dist-zeta duplicates a registered stage; skipped it",
         ]
     assert manager.hook.model_support_stages.has_spec()
+    # A stage named as a built-in one, from a plugin loaded before the built-ins or after them: an error naming both.
+    for name in ("aaa", "zzz"):
+        clash = pluggy.PluginManager(hooks.PROJECT)
+        clash.add_hookspecs(hooks)
+        clashing = LoadedPlugins(clash)
+        for plugin_name, module in sorted([(name, plugin(name, "weights")), ("builtin", builtin)]):
+            clash.register(module, name=plugin_name)
+            clashing.plugins[plugin_name] = PluginInfo(plugin_name, f"dist-{plugin_name}", "1")
+        with pytest.raises(StageClashError) as caught:
+            load_stages(Registry.from_plugins(clashing))
+        first, second = sorted([name, "builtin"])
+        assert str(caught.value) == (
+            f"stage 'weights' is declared by both dist-{first} (plugin {first!r}) and dist-{second} (plugin "
+            f"{second!r}): a stage name belongs to one plugin; rename the plugin's stage or uninstall one"
+        )

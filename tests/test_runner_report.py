@@ -321,3 +321,21 @@ def test_an_fp32_check_runs_its_stages_without_tf32(ctx, monkeypatch, dtype, exp
     report = run_checks(ctx, [SeesPrecision])
     assert report.results[0].metrics["triton_fp32"] == expected
     assert TRITON_FP32_DEFAULT not in os.environ
+
+
+class Exits(Stage):
+    name = "exits"
+    title = "Calls sys.exit(0) in its run."
+    order = 5
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        raise SystemExit(0)
+
+
+def test_a_stage_that_exits_the_process_fails_and_the_check_goes_on(ctx):
+    report = run_checks(ctx, plan([Exits, Idle]))
+    results = {r.stage: r for r in report.results}
+    exits, idle = results["exits"], results["idle"]
+    assert exits.status is Status.FAIL and report.exit_code == 1
+    assert exits.summary == f"called sys.exit(0) ({__name__}); a stage reports through its result"
+    assert idle.status is Status.PASS  # the stages after it still ran

@@ -138,6 +138,11 @@ def _run_one(
             result.details.append(f"run alone: prerequisite stage(s) {', '.join(unchecked)} not run")
     except ModelSupportError as exc:  # our own errors already say what is wrong and what to do
         return stage.failed(str(exc))
+    except SystemExit as exc:  # a stage ending the process would end the check with no report, and exit 0
+        return stage.failed(
+            f"called sys.exit({exc.code!r}) ({type(stage).__module__}); a stage reports through its result",
+            details=traceback.format_exc().rstrip().splitlines()[-12:],
+        )
     except Exception as exc:
         return stage.failed(
             f"raised {type(exc).__name__}: {exc}",

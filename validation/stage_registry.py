@@ -5,7 +5,8 @@ The core's registry holds handlers only and never calls this hook: the stage mod
 ``show`` must not), and stages are the harness's. :func:`load_stages` adds the hook's specification
 (:mod:`model_support.validation.hookspecs`) to the registry's plugin manager, calls every plugin's implementation
 in the order the plugins were loaded, the project's own stages (:mod:`model_support.validation.builtin_stages`) in
-the place of the ``builtin`` plugin, and keeps the first stage of each name.
+the place of the ``builtin`` plugin. Two stages of one name are an error naming both plugins' distributions: a
+plugin cannot replace a built-in stage's verdict (or another plugin's) by loading first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from model_support.core.errors import ModelSupportError
 from model_support.core.plugin_loading import LoadedPlugins, PluginInfo, hook_results
 from model_support.validation import builtin_stages, hookspecs
 from model_support.validation.stage import Stage
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
     from pluggy import HookImpl
 
     from model_support.core.registry import Registry
+
+
+class StageClashError(ModelSupportError):
+    """Two plugins declare a stage of the same name."""
 
 
 @dataclass(frozen=True)
@@ -50,11 +56,13 @@ class StageRegistry:
                     f"plugin {plugin.name!r} ({plugin.distribution}) returned {stage!r}, not a Stage class; skipped it"
                 )
                 continue
-            if any(s.stage.name == stage.name for s in self.stages):
-                self.problems.append(
-                    f"stage {stage.name!r} from {plugin.distribution} duplicates a registered stage; skipped it"
+            taken = next((s for s in self.stages if s.stage.name == stage.name), None)
+            if taken is not None:  # whichever loaded first, neither may silently replace the other's verdict
+                raise StageClashError(
+                    f"stage {stage.name!r} is declared by both {taken.plugin.distribution} (plugin "
+                    f"{taken.plugin.name!r}) and {plugin.distribution} (plugin {plugin.name!r}): a stage name belongs "
+                    "to one plugin; rename the plugin's stage or uninstall one"
                 )
-                continue
             self.stages.append(RegisteredStage(stage, plugin))
 
 
