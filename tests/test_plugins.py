@@ -191,3 +191,32 @@ def test_the_harness_collects_stages_in_plugin_order_with_the_builtin_ones_in_th
             f"stage 'weights' is declared by both dist-{first} (plugin {first!r}) and dist-{second} (plugin "
             f"{second!r}): a stage name belongs to one plugin; rename the plugin's stage or uninstall one"
         )
+
+
+def test_a_plugin_cannot_replace_a_serving_backend(monkeypatch: pytest.MonkeyPatch):
+    """Two plugins providing the ``vllm`` backend: an error naming both, not the first one loaded silently."""
+    import types
+
+    import pluggy
+
+    from model_support.core import hooks, plugin_loading
+    from model_support.core.plugin_loading import LoadedPlugins, PluginInfo
+    from model_support.core.serving.backend import serving_backends
+    from model_support.core.serving.errors import ServingError
+    from model_support.core.serving.vllm_backend import VllmBackend
+    from model_support.plugins import builtin, hookimpl
+
+    impostor = types.ModuleType("impostor")
+    impostor.model_support_serving_backends = hookimpl(lambda: [VllmBackend()])
+    manager = pluggy.PluginManager(hooks.PROJECT)
+    manager.add_hookspecs(hooks)
+    loaded = LoadedPlugins(manager)
+    for name, module in [("aaa-impostor", impostor), ("builtin", builtin)]:
+        manager.register(module, name=name)
+        loaded.plugins[name] = PluginInfo(name, f"dist-{name}", "1")
+    monkeypatch.setattr(plugin_loading, "load_plugins", lambda env=None: loaded)
+    with pytest.raises(ServingError) as caught:
+        serving_backends()
+    assert "serving backend 'vllm' is provided by both dist-" in str(caught.value)
+    assert "dist-aaa-impostor (plugin 'aaa-impostor')" in str(caught.value)
+    assert "dist-builtin (plugin 'builtin')" in str(caught.value)

@@ -123,15 +123,25 @@ class ServingBackend(Protocol):
 
 
 def serving_backends(env: dict[str, str] | None = None) -> dict[str, ServingBackend]:
-    """Every backend the installed plugins provide, by name (the first plugin to claim a name wins)."""
+    """Every backend the installed plugins provide, by name. Two plugins providing one name is an error naming both
+    distributions: a plugin cannot replace the ``vllm`` backend (and what it serves) by loading first."""
     from model_support.core.plugin_loading import load_plugins
 
-    found: dict[str, ServingBackend] = {}
-    for provided in load_plugins(env).manager.hook.model_support_serving_backends():
-        for backend in provided:
-            if isinstance(backend, ServingBackend):
-                found.setdefault(backend.name, backend)
-    return found
+    loaded = load_plugins(env)
+    found: dict[str, tuple[ServingBackend, str]] = {}
+    for impl in loaded.manager.hook.model_support_serving_backends.get_hookimpls():
+        info = loaded.plugins.get(impl.plugin_name)
+        owner = f"{info.distribution if info else '?'} (plugin {impl.plugin_name!r})"
+        for backend in impl.function() or ():
+            if not isinstance(backend, ServingBackend):
+                continue
+            if backend.name in found:
+                raise ServingError(
+                    f"serving backend {backend.name!r} is provided by both {found[backend.name][1]} and {owner}: a "
+                    "backend name belongs to one plugin; uninstall one"
+                )
+            found[backend.name] = (backend, owner)
+    return {name: backend for name, (backend, _) in found.items()}
 
 
 def get_backend(name: str = "vllm", env: dict[str, str] | None = None) -> ServingBackend:
