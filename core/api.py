@@ -169,11 +169,17 @@ def apply_lora(model: TrainingModel, *, rank: int = 8, alpha: float = 16.0, seed
     (:func:`model_support.core.megatron.lora.fresh_lora`). The adapter weights are fp32 whatever the base dtype, as
     PEFT keeps them.
     """
+    import math
+
     from model_support.core.megatron.lora import LoraError, fresh_lora
     from model_support.core.megatron.lora import apply_lora as wrap
 
     if model.lora is not None:
         raise LoraError("LoRA is already applied to this model")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoraError(f"rank is the LoRA's rank (1 or more), got {rank!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise LoraError(f"alpha is the LoRA's positive, finite scale numerator, got {alpha!r}")
     model.lora = wrap(model.chunks, model.spec, rank=rank, alpha=alpha)
     fresh_lora(model.chunks, seed=seed)
     return model.lora

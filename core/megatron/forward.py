@@ -317,7 +317,16 @@ def forward_backward(
     from model_support.core.megatron.builder import on_cpu_device
 
     chunks = list(chunks)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids is an integer tensor [B, S], got {got}")
     batch, seq = input_ids.shape
+    if batch < 1 or seq < 2:
+        raise ValueError(f"input_ids [{batch}, {seq}]: a step needs a row and two tokens (one to predict)")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches is a count of micro-batches (1 or more), got {micro_batches!r}")
+    if position_ids is not None and tuple(position_ids.shape) != (batch, seq):
+        raise ValueError(f"position_ids is [B, S] = [{batch}, {seq}] like input_ids, got {list(position_ids.shape)}")
     if batch % micro_batches:
         raise ValueError(f"a batch of {batch} rows does not split into {micro_batches} micro-batches")
     if loss_inputs not in ("logits", "logprobs"):

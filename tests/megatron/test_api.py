@@ -177,3 +177,29 @@ def test_lora_state_of_a_wrong_shape_loads_nothing(qwen35):
         load_lora_state(qwen35.module, wrong)
     now = lora_state(qwen35.module)
     assert all(torch.equal(now[k], kept[k]) for k in kept)  # not half-loaded
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"micro_batches": 0}, "micro_batches is a count of micro-batches (1 or more), got 0"),
+        ({"micro_batches": 3}, "a batch of 2 rows does not split into 3 micro-batches"),
+        ({"input_ids": torch.ones(2, 6)}, "input_ids is an integer tensor [B, S], got [2, 6]"),
+        ({"input_ids": torch.ones(6, dtype=torch.long)}, "input_ids is an integer tensor [B, S], got [6]"),
+        ({"input_ids": torch.ones(2, 1, dtype=torch.long)}, "a step needs a row and two tokens"),
+        ({"position_ids": torch.zeros(1, 6, dtype=torch.long)}, "position_ids is [B, S] = [2, 6] like input_ids"),
+    ],
+)
+def test_bad_step_arguments_are_refused_in_one_line(qwen35, kwargs, message):
+    args = {"input_ids": torch.ones(2, 6, dtype=torch.long)} | kwargs
+    with pytest.raises(ValueError, match=re.escape(message)):
+        api.forward_backward(qwen35, args.pop("input_ids"), lambda out, micro: out.sum(), **args)
+
+
+@pytest.mark.parametrize(("rank", "alpha"), [(0, 8.0), (-2, 8.0), (2.5, 8.0), (4, 0.0), (4, float("nan"))])
+def test_bad_lora_arguments_are_refused_in_one_line(tiny_model_dir, rank, alpha):
+    model_dir = tiny_model_dir("qwen3")
+    model = api.build_model(model_dir, handler=api.resolve(model_dir))
+    with pytest.raises(LoraError, match=r"^(rank is the LoRA's rank|alpha is the LoRA's positive)"):
+        api.apply_lora(model, rank=rank, alpha=alpha)
+    assert model.lora is None

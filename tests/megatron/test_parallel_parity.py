@@ -142,3 +142,15 @@ def test_a_run_names_its_layout_and_dtype():
     assert parse_run("single.bf16") == ("single", torch.bfloat16)
     with pytest.raises(ValueError, match="the dtype after the layout is bf16 or nothing"):
         parse_run("tp2.fp16")
+
+
+def test_a_layout_needing_more_ranks_than_the_cpus_run_is_named_not_started(tmp_path):
+    require_megatron()
+    report_path = tmp_path / "report.json"
+    result = run_cli(
+        "check", "qwen3", "--tiny", "-s", "parallel_parity", "--alone", "--layouts", "cp512", "--json", str(report_path)
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    verdict = json.loads(report_path.read_text())["results"][0]
+    assert verdict["status"] == "skip"
+    assert "cp512: not checked, it needs 512 ranks and this machine runs at most" in verdict["summary"]

@@ -40,6 +40,12 @@ def default_layouts(moe: bool) -> tuple[str, ...]:
     return MOE_LAYOUTS if moe else DENSE_LAYOUTS
 
 
+def cpu_ranks() -> int:
+    """The most gloo ranks the job starts on this machine's CPUs: one process each (a typo such as cp512 must not
+    start 512), and at least the four the default layouts need."""
+    return max(4, os.cpu_count() or 1)
+
+
 def unfit(layout: ParallelLayout, num_layers: int) -> str | None:
     """Why the model cannot be split in ``layout`` at all (None: it can)."""
     chunks = layout.pipeline_parallel * layout.virtual_pipeline
@@ -135,6 +141,11 @@ class ParallelParityStage(Stage):
                 details.append(
                     f"{name}: not checked, it needs {needs} GPUs and the node has {gpus} (with CUDA_VISIBLE_DEVICES= "
                     "every layout runs on the CPU)"
+                )
+            elif not gpus and needs > cpu_ranks():
+                details.append(
+                    f"{name}: not checked, it needs {needs} ranks and this machine runs at most {cpu_ranks()} on its "
+                    "CPUs (one process a rank)"
                 )
             elif refused:  # the family's declared limit: training there is refused, so there is nothing to compare
                 details.append(f"{name}: not checked, the handler refuses it ({refused})")
