@@ -61,10 +61,10 @@ def _loaded(prefer: list[str] | None = None, stages: bool = True) -> tuple[Regis
     registry = load_registry(prefer=parse_preferences(",".join(prefer or [])))
     found = load_stages(registry) if stages else StageRegistry()
     for problem in [*registry.problems, *found.problems]:
-        err.print(f"[yellow]warning:[/] {problem}")
+        err.print(f"[yellow]warning:[/] {escape(problem)}")
     for arch, claimants in registry.conflicts().items():
         names = ", ".join(c.label() for c in claimants)
-        err.print(f"[yellow]warning:[/] architecture {arch} is claimed by {names} (use --prefer)")
+        err.print(f"[yellow]warning:[/] architecture {escape(arch)} is claimed by {escape(names)} (use --prefer)")
     return registry, found
 
 
@@ -129,7 +129,7 @@ def show(
         print(json.dumps(data, indent=2, default=str))
         return
     spec = entry.spec
-    console.print(f"[bold]{spec.name}[/] ({entry.origin}): {spec.description}")
+    console.print(f"[bold]{escape(spec.name)}[/] ({escape(entry.origin)}): {escape(spec.description)}")
     console.print(f"architectures: {', '.join(spec.architectures)}   model_types: {', '.join(spec.model_types)}")
     console.print(f"topology: {spec.topology}   GDN linear attention: {spec.linear_attention}")
     targets = Table(title="LoRA targets")
@@ -439,7 +439,8 @@ def main() -> None:
         try:
             app()
         except ModelSupportError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            # the error's text is printed as written: a path holding "[/]" is no markup
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             sys.exit(2)
         except Interrupted as exc:
             err.print(str(exc), markup=False, highlight=False)

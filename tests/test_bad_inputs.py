@@ -608,3 +608,9 @@ def test_a_support_file_out_of_the_model_directory_is_refused_before_it_is_read(
     os.mkfifo(model / "tokenizer_config.json")  # reading it would block the check forever
     line = _one_line_error(run_cli("check", str(model), "-s", "architecture"))
     assert f"{model / 'tokenizer_config.json'} is a FIFO, not a file" in line
+
+
+def test_an_error_naming_a_path_with_markup_is_printed_as_written(tmp_path: Path) -> None:
+    odd = tmp_path / "run[/]s[bold]"
+    line = _one_line_error(run_cli("check", str(odd)))
+    assert f"{odd}" in line and "neither a directory" in line
