@@ -6,6 +6,11 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+# vllm serve flags the server's handle depends on (serve() sets them); extra_args may not name them.
+_OWNED_FLAGS = frozenset(
+    {"--model", "--served-model-name", "--host", "--port", "--middleware", "--api-key", "--uds", "--root-path"}
+)
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -81,4 +86,11 @@ class ServeOptions:
             args += ["--worker-extension-cls", "ms_weights.WorkerExtension"]
         elif self.weight_transfer != "files":
             raise ValueError(f"weight_transfer must be 'stream' or 'files', not {self.weight_transfer!r}")
+        for arg in self.extra_args:
+            flag = arg.split("=", 1)[0]
+            if flag in _OWNED_FLAGS:
+                raise ValueError(
+                    f"extra_args {arg!r}: {flag} is set by the project (the server would answer under another name, "
+                    "host, port or middleware than the one its handle uses); use ServeOptions' fields or leave it out"
+                )
         return [*args, *self.extra_args]

@@ -5,6 +5,7 @@ defaults from a relative path."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,10 @@ def test_api_serve_starts_the_tiny_multimodal_moe_replica_from_a_relative_path(
         server.stop()
     assert (tmp_path / "vllm.log").exists()
     assert "'dtype': 'bfloat16'" in (tmp_path / "vllm.log").read_text()
+
+
+@pytest.mark.parametrize("arg", ["--served-model-name", "--port=9", "--host", "--middleware", "--api-key"])
+def test_extra_args_may_not_take_what_the_servers_handle_depends_on(arg: str) -> None:
+    with pytest.raises(ValueError, match=rf"extra_args '{re.escape(arg)}': {arg.split('=')[0]} is set by the project"):
+        ServeOptions(extra_args=(arg, "x")).vllm_args()
+    assert ServeOptions(extra_args=("--seed", "3")).vllm_args()[-2:] == ["--seed", "3"]
