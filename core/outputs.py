@@ -50,6 +50,7 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputPathError(f"cannot create {out_dir.parent} ({exc.strerror}); choose a writable directory") from None
+    sweep(out_dir.parent, f".{out_dir.name}.partial-*")  # what a killed earlier write left
     tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         tmp.mkdir()
@@ -57,8 +58,11 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
         raise OutputPathError(
             f"cannot write in {out_dir.parent} ({exc.strerror}); choose a writable directory"
         ) from None
+    fd: int | None = hold(tmp)
     try:
         yield tmp
+        release(tmp, fd)
+        fd = None
         if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
             out_dir.rmdir()
         if out_dir.exists() or out_dir.is_symlink():
@@ -71,6 +75,9 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if fd is not None:  # not released: the write failed
+            os.close(fd)
 
 
 def check_report_path(option: str, path: Path) -> None:
@@ -130,50 +137,65 @@ def check_workdir(path: Path) -> None:
 
 
 RUN_PREFIX = "model-support-run-"
-# Held locked (flock) by the run that made the directory while it lives: the lock goes with the process however it
-# ends, and another run sees it on the same file whatever PID namespace either runs in (a PID names nothing across
-# namespaces: a live run in another container was once judged dead by its PID and deleted).
+# Held locked (flock) by the process that made the directory while it writes there (a run directory, a staged
+# output, a push's buckets): the lock goes with the process however it ends, and another process sees it on the same
+# file whatever PID namespace either runs in (a PID names nothing across namespaces: a live run in another container
+# was once judged dead by its PID and deleted).
 _OWNER = ".owner-lock"
 _held: dict[Path, int] = {}  # run directory -> the descriptor holding its lock
 
 
-def _hold_lock(run_dir: Path) -> int:
-    """Lock ``run_dir``'s owner file for this process: locked under a name no cleaner reads, then renamed into
-    place (the lock follows the file), so no other run ever finds the file unlocked while this one lives."""
-    staged = run_dir / f"{_OWNER}.new"
+def hold(directory: Path) -> int:
+    """Lock ``directory``'s owner file for this process; returns the descriptor (:func:`release` it). Locked under a
+    name no sweeper reads, then renamed into place (the lock follows the file), so no other process ever finds the
+    file unlocked while this one lives."""
+    staged = directory / f"{_OWNER}.new"
     fd = os.open(staged, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, f"{os.getpid()}\n".encode())  # for a person reading it; the lock is what counts
-    staged.rename(run_dir / _OWNER)
+    staged.rename(directory / _OWNER)
     return fd
 
 
-def _owner_alive(lock: Path) -> bool:
-    """Whether the run that made ``lock`` still holds it (False: its process is gone)."""
+def release(directory: Path, fd: int) -> None:
+    """Drop the lock file (a directory published from here keeps no trace of it), then the lock."""
+    (directory / _OWNER).unlink(missing_ok=True)
+    os.close(fd)
+
+
+def abandoned(directory: Path) -> bool:
+    """Whether ``directory`` was held by a process that is gone (its lock file there, and free)."""
+    lock = directory / _OWNER
+    if not lock.is_file():
+        return False
     try:
         fd = os.open(lock, os.O_RDWR)
     except OSError:
-        return True  # unreadable: not ours to judge
+        return False  # unreadable: not ours to judge
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        return False
     finally:
         os.close(fd)  # releases the lock if it was taken
-    return False
+    return True
+
+
+def sweep(parent: Path, pattern: str) -> list[Path]:
+    """Remove the directories under ``parent`` matching ``pattern`` whose process died while writing them."""
+    removed = []
+    for candidate in parent.glob(pattern):
+        if candidate.is_dir() and not candidate.is_symlink() and abandoned(candidate):
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
 
 
 def clean_dead_runs(parent: Path) -> list[Path]:
     """Remove the run directories under ``parent`` whose run died without finishing (e.g. ``kill -9``): their
     children's temporary files go with them (see ``ManagedProcess``). Finished runs drop their lock file: what they
     kept stays."""
-    removed = []
-    for candidate in parent.glob(f"{RUN_PREFIX}*"):
-        lock = candidate / _OWNER
-        if lock.is_file() and not _owner_alive(lock):
-            shutil.rmtree(candidate, ignore_errors=True)
-            removed.append(candidate)
-    return removed
+    return sweep(parent, f"{RUN_PREFIX}*")
 
 
 _TMP = "tmp"  # the run's own temporary directory (this process's while the run lives)
@@ -193,7 +215,7 @@ def start_run_dir(workdir: Path | None) -> Path:
     clean_dead_runs(parent)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{stamp}-{os.getpid()}-", dir=parent))
-    _held[run_dir] = _hold_lock(run_dir)
+    _held[run_dir] = hold(run_dir)
     tmp = run_dir / _TMP
     tmp.mkdir()
     redirect = temp_env(tmp)
@@ -217,11 +239,12 @@ def finish_run_dir(run_dir: Path, *, keep: bool) -> None:
         else:
             os.environ[name] = value
     tempfile.tempdir = tempdir
+    fd = _held.pop(run_dir, None)
     if keep:
         shutil.rmtree(run_dir / _TMP, ignore_errors=True)
-        (run_dir / _OWNER).unlink(missing_ok=True)
+        if fd is not None:
+            release(run_dir, fd)
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
-    fd = _held.pop(run_dir, None)
-    if fd is not None:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # The Megatron stages a plugin family's `check --tiny` must pass, in run order.
@@ -73,3 +75,24 @@ def run_cli(*args: str, site: Path | None = None, env: dict[str, str] | None = N
         cwd=cwd,
         timeout=900,
     )
+
+
+@contextmanager
+def held_by_another_process(directory: Path) -> Iterator[None]:
+    """``directory``'s ``.owner-lock`` held (flock) by a live process other than this one while the block runs, as
+    a run, a staged write or a push in another process (or PID namespace) holds it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".owner-lock").write_text("live\n")
+    code = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(directory / ".owner-lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()

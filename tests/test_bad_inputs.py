@@ -13,7 +13,7 @@ import pytest
 from model_support.core.discovery import locate
 from model_support.core.errors import ConfigError, ModelNotFoundError
 from model_support.handlers.configs import CONFIGS
-from tests.helpers import run_cli
+from tests.helpers import held_by_another_process, run_cli
 
 QWEN3 = json.loads((CONFIGS / "qwen3-0.6b.json").read_text())
 QWEN35_MOE = json.loads((CONFIGS / "qwen3.5-35b-a3b.json").read_text())
@@ -298,8 +298,6 @@ def test_a_model_without_tokenizer_fails_serving_and_keeps_the_log(tiny_model_di
 
 
 def test_workdir_is_reusable_and_runs_never_share_files(tmp_path: Path) -> None:
-    import subprocess
-    import sys
 
     work = tmp_path / "w"
     first = run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work))
@@ -313,21 +311,10 @@ def test_workdir_is_reusable_and_runs_never_share_files(tmp_path: Path) -> None:
     crashed.mkdir()
     (crashed / ".owner-lock").write_text("1\n")
     live = work / "model-support-run-20260101-000000-2-y"
-    live.mkdir()
-    (live / ".owner-lock").write_text("2\n")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); fcntl.flock(f, fcntl.LOCK_EX); "
-         "print('held', flush=True); time.sleep(600)", str(live / ".owner-lock")],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with held_by_another_process(live):
         assert run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work)).returncode == 0
         assert not crashed.exists()
         assert live.exists()
-    finally:
-        holder.kill()
-        holder.wait()
     assert len(list(work.glob("model-support-run-*"))) == 4
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from model_support.core.errors import ModelSupportError
 from model_support.core.megatron.lora import Chunks, lora_modules
+from model_support.core.outputs import abandoned, hold, release, sweep
 
 FORMAT = "model-support-train-state/2"
 MANIFEST = "manifest.json"
@@ -159,11 +160,17 @@ def save_state(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, *, 
     rank = _world()[0]
     staging = path.parent / f".{path.name}.partial"
 
+    held: list[int] = []  # rank 0's lock on the staging directory while the ranks write into it
+
     def prepare() -> None:
         if path.exists():
             raise StateError(f"{path} already exists: save each state to a new path (or remove the old one)")
-        shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
+        if staging.exists() and not abandoned(staging):
+            raise StateError(f"{staging} is being written by another save (or an older version's): wait, or remove it")
+        shutil.rmtree(staging, ignore_errors=True)  # a killed save's leftovers
+        sweep(path.parent, ".*.partial")  # and those of killed saves to other paths here
         staging.mkdir(parents=True)
+        held.append(hold(staging))
 
     _all_agree(_attempt(prepare)[1] if rank == 0 else None)
     shard = {
@@ -178,9 +185,11 @@ def save_state(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, *, 
     except StateError:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+            release(staging, held.pop())
         raise
 
     def publish() -> None:
+        release(staging, held.pop())
         manifest = {
             "format": FORMAT,
             "step": step,

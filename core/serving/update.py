@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from model_support.core.checkpoint import stored_tensors
+from model_support.core.outputs import hold, release, sweep
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import write_checkpoint
 from model_support.core.serving.vllm_features import VllmFeatures
@@ -206,14 +207,18 @@ class WeightUpdater:
         from safetensors.torch import save_file
 
         expected = self.expected()
-        workdirs: dict[Path, Path] = {}  # bucket root -> this push's directory there, made on first use
+        workdirs: dict[Path, tuple[Path, int]] = {}  # bucket root -> this push's directory there and its lock
+        for root in {memory_dir(), self.staging_root} - {None}:
+            if root is not None and root.is_dir():
+                sweep(root, "push-*")  # the buckets of a trainer killed mid-push (up to a bucket of RAM each)
 
         def bucket_path(index: int, nbytes: int) -> Path:
             root = bucket_root(nbytes, self.staging_root)
             if root not in workdirs:
                 root.mkdir(parents=True, exist_ok=True)
-                workdirs[root] = Path(tempfile.mkdtemp(prefix="push-", dir=root))
-            return workdirs[root] / f"bucket-{index}.safetensors"
+                workdir = Path(tempfile.mkdtemp(prefix="push-", dir=root))
+                workdirs[root] = (workdir, hold(workdir))
+            return workdirs[root][0] / f"bucket-{index}.safetensors"
 
         slots = threading.Semaphore(IN_FLIGHT)
         handoff: queue.Queue[tuple[Path, bool] | None] = queue.Queue()
@@ -279,8 +284,9 @@ class WeightUpdater:
             handoff.put(None)
             if thread.is_alive():
                 thread.join()
-            for workdir in workdirs.values():
+            for workdir, fd in workdirs.values():
                 shutil.rmtree(workdir, ignore_errors=True)
+                release(workdir, fd)
             if not applied.is_set():
                 self._abort()
         if failures:

@@ -116,6 +116,10 @@ def test_a_non_finite_weight_is_refused_on_either_transport(qwen3_server, tiny_m
     name, before = server.served_name, _served(server)
     staging = server.process.log_path.parent / "qwen3-weights"
     files, staged = WeightUpdater(server, staging, base, stream=False), sorted(staging.glob("step-*"))
+    dead = staging / "push-killed"  # a trainer killed mid-push left its buckets: the next push removes them
+    dead.mkdir(parents=True)
+    (dead / ".owner-lock").write_text("1\n")
+    (dead / "bucket-0.safetensors").write_bytes(b"x" * 100)
     for poison in (float("nan"), float("inf")):
         steps = list(buckets(base_tensors(base), max_bytes=1 << 30))
         steps[-1] = {k: v.clone() for k, v in steps[-1].items()}
@@ -127,6 +131,7 @@ def test_a_non_finite_weight_is_refused_on_either_transport(qwen3_server, tiny_m
             assert server.models() == [name]
             assert (_served(server) - before).abs().max().item() < 1e-6
     assert sorted(staging.glob("step-*")) == staged and not _pushes_left()  # nothing of the refused steps left
+    assert not dead.exists()
 
 
 def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir):
