@@ -76,6 +76,8 @@ def _verbose_lines(result: StageResult, summary_shown: bool) -> list[str]:
     if result.built:
         made = (f"{name} ({o['phase']}, {o['seconds']:.1f} s)" for name, o in result.built.items())
         lines.append("built: " + ", ".join(made))
+    if result.origin:
+        lines.append(f"from {result.origin}")
     return lines + list(result.details)
 
 

@@ -159,6 +159,14 @@ def _run_one(
     return result
 
 
+def stage_origins(ctx: CheckContext) -> dict[str, str]:
+    """Stage name -> the distribution and plugin that registered it (none for a registry built by hand)."""
+    from model_support.validation.stage_registry import load_stages
+
+    registered = load_stages(ctx.registry).stages if ctx.registry is not None else []
+    return {s.stage.name: f"{s.plugin.distribution} (plugin {s.plugin.name!r})" for s in registered}
+
+
 def run_checks(
     ctx: CheckContext,
     stages: Sequence[type[Stage]],
@@ -182,6 +190,7 @@ def run_checks(
     done: dict[str, StageResult] = {}
     planned = {stage.name for stage in stages}
     misdeclared: dict[str, str] = {}  # stage -> the declaration error its prepare raised
+    origins = stage_origins(ctx)
     try:
         # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
         with exact_fp32(ctx.dtype == "fp32"):
@@ -198,6 +207,7 @@ def run_checks(
                     result.time_split = clock.split(result.duration_s)
                 memory.record(result)
                 result.built = {name: origin.to_dict() for name, origin in ctx.state.built_by(stage_cls.name).items()}
+                result.origin = origins.get(stage_cls.name, f"module {stage_cls.__module__}")
                 done[stage_cls.name] = result
                 report.results.append(result)
                 if on_result is not None:

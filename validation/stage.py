@@ -47,6 +47,8 @@ class StageResult:
     peak_host_mib: float | None = None
     peak_host_lifetime: bool = False
     built: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The distribution (and plugin) that registered the stage: "model-support (plugin 'builtin')" for the project's.
+    origin: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         peaks = {
@@ -66,6 +68,7 @@ class StageResult:
             **{key: None if mib is None else round(mib, 1) for key, mib in peaks.items()},
             "peak_host_lifetime": self.peak_host_lifetime,
             "built": self.built,
+            "origin": self.origin,
         }
 
 

@@ -30,6 +30,9 @@ MOE_CONFIG = Path(__file__).with_name("moe.qwen3") / "config.json"
 def test_check_passes(model_support_check):
     report = model_support_check("qwen3", tiny=True, stages=["chat_turn"])
     assert [r.stage for r in report.results] == ["dependencies", "architecture", "chat_turn"]
+    # each result names who registered its stage
+    assert report.results[0].origin == "model-support (plugin 'builtin')"
+    assert report.results[-1].origin.startswith("model-support-extra-stage (plugin ")
 
 
 def test_check_fails_with_the_stage_report(model_support_check):
