@@ -262,6 +262,14 @@ def check(
             "--verbose", "-v", help="Show each stage's metrics with their limits, memory peaks and details under it."
         ),
     ] = False,
+    stage_timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Seconds any stage may run before it fails (0: no limit). Default: each stage's own (an hour for "
+            "the built-in ones).",
+        ),
+    ] = None,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
     from model_support.core.outputs import (
@@ -322,6 +330,7 @@ def check(
                 seed=seed,
                 dtype=None if dtype is None else dtype.value,
                 layouts=chosen_layouts,
+                stage_timeout_s=stage_timeout,
             )
             checking = f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}"
             err.print(checking, markup=False, highlight=False, soft_wrap=True)

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import ClassVar
@@ -339,3 +340,25 @@ def test_a_stage_that_exits_the_process_fails_and_the_check_goes_on(ctx):
     assert exits.status is Status.FAIL and report.exit_code == 1
     assert exits.summary == f"called sys.exit(0) ({__name__}); a stage reports through its result"
     assert idle.status is Status.PASS  # the stages after it still ran
+
+
+class Sleeps(Stage):
+    name = "sleeps"
+    title = "Never ends by itself."
+    order = 6
+    time_limit_s = 0.5
+
+    def run(self, ctx: CheckContext) -> StageResult:
+        while True:  # bounded by the stage's time limit, which is what is tested
+            time.sleep(0.05)
+
+
+def test_a_stage_past_its_time_limit_fails_and_the_check_goes_on(ctx):
+    report = run_checks(ctx, plan([Sleeps, Idle]))
+    results = {r.stage: r for r in report.results}
+    assert results["sleeps"].status is Status.FAIL
+    assert results["sleeps"].summary.startswith("ran past its time limit of 0.5 s (the stage's time_limit_s;")
+    assert results["idle"].status is Status.PASS
+    import signal
+
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no timer left behind

@@ -48,6 +48,8 @@ class CheckContext:
     dtype: str | None = None
     # Parallel layouts for `parallel_parity` ("tp2", "tp2-sp", "ep2", ...); None: the stage's default for the model.
     layouts: tuple[str, ...] | None = None
+    # Seconds any stage's run may take (``check --stage-timeout``); None: each stage's own ``time_limit_s``.
+    stage_timeout_s: float | None = None
     state: RunState = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 import platform
+import signal
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -115,6 +118,31 @@ def _not_applicable(stage: Stage, ctx: CheckContext) -> str | None:
     return stage.skip_reason(ctx)
 
 
+class StageTimeoutError(Exception):
+    """A stage's run went past its time limit (raised in it by :func:`time_limit`)."""
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`StageTimeoutError` in the block once it has run ``seconds`` (a SIGALRM timer: the main thread
+    only, where the CLI and pytest run stages; a long call into C ends first). None or 0: no limit; elsewhere than
+    the main thread, none either."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(_signum: int, _frame: object) -> None:
+        raise StageTimeoutError
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _run_one(
     stage: Stage, ctx: CheckContext, done: dict[str, StageResult], planned: set[str], misdeclared: dict[str, str]
 ) -> StageResult:
@@ -131,11 +159,17 @@ def _run_one(
     reason = _not_applicable(stage, ctx)
     if reason:
         return stage.skipped(reason)
+    limit = ctx.stage_timeout_s if ctx.stage_timeout_s is not None else type(stage).time_limit_s
     try:
-        with ctx.state.acting(type(stage), "run"):
+        with ctx.state.acting(type(stage), "run"), time_limit(limit):
             result = stage.run(ctx)
         if unchecked:
             result.details.append(f"run alone: prerequisite stage(s) {', '.join(unchecked)} not run")
+    except StageTimeoutError:
+        return stage.failed(
+            f"ran past its time limit of {limit:g} s (the stage's time_limit_s; check --stage-timeout sets another)",
+            details=traceback.format_exc().rstrip().splitlines()[-12:],
+        )
     except ModelSupportError as exc:  # our own errors already say what is wrong and what to do
         return stage.failed(str(exc))
     except SystemExit as exc:  # a stage ending the process would end the check with no report, and exit 0

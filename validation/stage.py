@@ -94,7 +94,8 @@ class Stage(ABC):
     (position in the pipeline), ``requires`` (stages that must pass first: their verdicts, not their data),
     ``packages`` (imports it needs; a missing one skips the stage with an install hint), ``needs`` and ``provides``
     (the run-state resources it reads, built on first use, and those it writes: ``validation/state.py``; using
-    one it does not declare is an error), and implement ``run``.
+    one it does not declare is an error), ``time_limit_s`` (its ``run`` fails past it; ``check --stage-timeout``
+    overrides every stage's), and implement ``run``.
     """
 
     name: ClassVar[str]
@@ -104,6 +105,8 @@ class Stage(ABC):
     packages: ClassVar[tuple[Requirement, ...]] = ()
     needs: ClassVar[tuple[Resource[Any], ...]] = ()
     provides: ClassVar[tuple[Resource[Any], ...]] = ()
+    # Long enough for a real-width stage on a fresh GPU (the slowest measured: hf_parity, 376 s with autotuning).
+    time_limit_s: ClassVar[float] = 3600.0
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         """Why this stage does not apply to the model at hand (``None``: it applies)."""
