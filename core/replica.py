@@ -159,6 +159,30 @@ def redraw_nonfinite(model: torch.nn.Module) -> list[str]:
     return redrawn
 
 
+def check_fits(model_cls: Any, cfg: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before anything is allocated or written, a replica whose weights alone exceed the free memory of the
+    device it is built on (counted on the meta device: exact, and no memory)."""
+    import psutil
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        kwargs = {k: v for k, v in cfg.items() if k != "model_type"}
+        config = transformers.AutoConfig.for_model(cfg["model_type"], **kwargs)
+        params = sum(p.numel() for p in model_cls(config).parameters())
+    need = params * torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
+    else:
+        free, where = psutil.virtual_memory().available, "this machine has"
+    if need > free:
+        raise ReplicaError(
+            f"the replica's weights alone take {need / 1024**3:.1f} GiB ({params / 1e9:.2f}B parameters in "
+            f"{str(dtype).removeprefix('torch.')}) and {where} {free / 1024**3:.1f} GiB free: keep fewer --layers or "
+            "--experts, or build it on a larger device"
+        )
+
+
 def build_replica(
     raw_config: dict[str, Any],
     out_dir: Path,
@@ -188,6 +212,7 @@ def build_replica(
     cfg = replica_config(raw_config, layers=layers, experts=experts, dtype=dtype_name, fields=fields)
     model_cls = model_class(cfg["architectures"][0])
     target = _resolve_device(device)
+    check_fits(model_cls, cfg, dtype, target)
 
     with staged_dir(out_dir) as tmp:
         set_token_ids(cfg, special_token_ids(build_tokenizer(tmp)))

@@ -260,3 +260,13 @@ def test_low_precision_init_that_draws_non_finite_values_is_redrawn_in_fp32():
     assert float(a_log.detach().max()) <= math.log(16) + 1e-2
     assert float(a_log.detach().float().std()) > 0.5
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_replica_larger_than_the_free_memory_is_refused_before_anything_is_written(tmp_path):
+    # Qwen3-30B-A3B at full depth: 30.5B parameters, 57 GiB in bf16 (the CPU machines have 24 GiB)
+    result = run_cli("replica", "qwen3-moe", str(tmp_path / "out"), "--device", "cpu")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: the replica's weights alone take 56.9 GiB (30.53B parameters in bfloat16) and ")
+    assert line.endswith("GiB free: keep fewer --layers or --experts, or build it on a larger device")
+    assert list(tmp_path.iterdir()) == []
