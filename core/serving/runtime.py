@@ -155,8 +155,13 @@ def _pip_env() -> dict[str, str]:
 def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
     """Run one install step (a progress step named ``what``); its stdout, or :class:`ServingError` with its last
     lines."""
+    from model_support.core.serving.process import LAUNCHER
+
     with progress.step(what):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # Under the project's launcher, in a session of its own: pip and what it starts die with this process, also
+        # when it is SIGKILLed (a bare child would run on, installing into a runtime nothing will use).
+        launched = [sys.executable, str(LAUNCHER), str(os.getpid()), "5", "--", *cmd]
+        proc = subprocess.run(launched, env=env, capture_output=True, text=True, start_new_session=True)
         if proc.returncode != 0:
             tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
             raise ServingError(f"runtime install: {what} failed (exit {proc.returncode}): {tail}")

@@ -167,3 +167,39 @@ def test_a_failed_reinstall_leaves_the_working_runtime(tmp_path: Path, monkeypat
     assert rt.install_runtime(root, "cpu", "9") == "installed"
     assert not (root / "venv" / "marker").exists() and (root / "runtime.json").read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rt"]
+
+
+def test_an_install_step_dies_with_a_killed_install(tmp_path: Path):
+    """``runtime install``'s pip runs under the project's launcher: SIGKILL the install and pip goes too."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    marker = f"ms-install-step-{os.getpid()}"
+    code = (
+        "import os; from model_support.core.serving.runtime import _run; "
+        f"_run(['python3', '-c', 'import time; time.sleep(120)', '{marker}'], dict(os.environ), 'a long step')"
+    )
+    installer = subprocess.Popen([sys.executable, "-c", code])
+
+    def step() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if marker in (proc.info["cmdline"] or []) and "-c" in (proc.info["cmdline"] or [])[1:2]:
+                found.append(proc)
+        return found
+
+    for _ in range(600):  # up to 60 s for the step to start on a loaded machine
+        if step():
+            break
+        time.sleep(0.1)
+    assert step(), "the install step never started"
+    installer.send_signal(signal.SIGKILL)
+    installer.wait()
+    for _ in range(300):  # the launcher sees its parent die at once; bounded by count on a loaded machine
+        if not step():
+            break
+        time.sleep(0.1)
+    assert not step()
