@@ -153,6 +153,9 @@ def load_plugins(
         except Exception as exc:  # a third party's import error must not take the others down
             loaded.broken.append(BrokenPlugin(ep.name, dist_name, f"{type(exc).__name__}: {exc}"))
             continue
+        except SystemExit as exc:  # nor its sys.exit: the command would end with that status and no report
+            loaded.broken.append(BrokenPlugin(ep.name, dist_name, f"called sys.exit({exc.code!r}) while imported"))
+            continue
         loaded.plugins[ep.name] = PluginInfo(ep.name, dist_name, version)
     unknown = sorted(allowed - seen) if allowed is not None else []
     if unknown:

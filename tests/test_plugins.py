@@ -19,9 +19,9 @@ BUILTIN = {"qwen3", "qwen3-moe", "qwen3.5", "qwen3.5-moe"}
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with three real third-party plugin distributions installed by pip."""
+    """A directory with four real third-party plugin distributions installed by pip."""
     target = tmp_path_factory.mktemp("site")
-    for name in ("ms-broken", "ms-garbage", "ms-dupe"):
+    for name in ("ms-broken", "ms-garbage", "ms-dupe", "ms-exiting"):
         pip_install_target(FIXTURES / name, target)
     return target
 
@@ -51,6 +51,7 @@ def test_broken_and_garbage_plugins_are_reported_by_name_and_skipped(with_site: 
     problems = "\n".join([*registry.problems, *load_stages(registry).problems])
     assert "plugin 'broken' (model-support-broken) skipped: ModuleNotFoundError" in problems
     assert "a_dependency_that_is_not_installed" in problems
+    assert "plugin 'exiting' (model-support-exiting) skipped: called sys.exit(0) while imported" in problems
     assert "plugin 'garbage' (model-support-garbage) returned a str that is not a HandlerSpec" in problems
     assert "plugin 'garbage' (model-support-garbage) returned a int that is not a HandlerSpec" in problems
     assert "plugin 'garbage' (model-support-garbage) returned <class 'object'>, not a Stage class" in problems
@@ -89,7 +90,7 @@ def test_explicit_override_settles_a_conflict(with_site: Path, env, prefer, winn
 def test_environment_variable_restricts_which_plugins_load(with_site: Path):
     loaded = load_plugins(env={"MODEL_SUPPORT_PLUGINS": "builtin, qwen3-alt"})
     assert set(loaded.plugins) == {"builtin", "qwen3-alt"}
-    assert sorted(loaded.filtered_out) == ["broken", "garbage"]
+    assert sorted(loaded.filtered_out) == ["broken", "exiting", "garbage"]
     assert loaded.broken == []
     only_third_party = load_registry(env={"MODEL_SUPPORT_PLUGINS": "qwen3-alt"})
     assert set(only_third_party.handlers) == {"qwen3-alt"}

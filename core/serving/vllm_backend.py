@@ -176,6 +176,13 @@ class VllmServer:
             raise ServerError(
                 f"vLLM {path} answered {exc.code}: {detail}{cause} (log: {self.process.log_path})"
             ) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:  # no answer at all
+            state = "has exited" if not self.process.alive() else "does not answer"
+            reason = getattr(exc, "reason", exc)
+            raise ServerError(
+                f"vLLM {path}: the server {state} ({reason}); server log: {self.root_cause()} "
+                f"(log: {self.process.log_path})"
+            ) from None
         try:
             return json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError:  # some endpoints (LoRA loading) answer in plain text

@@ -203,3 +203,23 @@ def test_an_install_step_dies_with_a_killed_install(tmp_path: Path):
             break
         time.sleep(0.1)
     assert not step()
+
+
+def test_a_server_that_is_gone_is_named_not_a_raw_urlerror(tmp_path: Path):
+    """A request to a server whose process has exited: one ServerError naming that, with the log's cause."""
+    from model_support.core.serving.errors import ServerError
+    from model_support.core.serving.process import ManagedProcess
+    from model_support.core.serving.vllm_backend import VllmServer, free_port
+
+    code = "import sys; print('OSError: [Errno 98] Address already in use', flush=True); sys.exit(1)"
+    process = ManagedProcess(
+        Path(sys.executable), [sys.executable, "-c", code], env={}, log_path=tmp_path / "server.log"
+    ).start()
+    assert process.wait(60) == 1
+    server = VllmServer(process, free_port(), "m@0", tmp_path, ServeOptions(), VllmFeatures("0.32.0"), "k")
+    with pytest.raises(ServerError) as caught:
+        server.request("/v1/models")
+    message = str(caught.value)
+    assert message.startswith("vLLM /v1/models: the server has exited (")
+    assert "server log: OSError: [Errno 98] Address already in use" in message
+    process.stop()
