@@ -409,6 +409,19 @@ REFUSED = [
     "never injects a bug |",
     "| SIGINT, SIGTERM (or SIGKILL) during a check | the children (parallel_parity's job and its ranks, vLLM) stop "
     "with it, the run directory goes with them (after SIGKILL: at the next run) | no orphan holds a port or the disk |",
+    "| a config, tokenizer or chat-template file that is a symlink out of the model directory, a FIFO or a directory; "
+    "a `tokenizer_config.json` file entry outside it | refused, naming the file | a check reads nothing outside the "
+    "model directory, and a FIFO would block it |",
+    "| a `--json` / `--markdown` / `--junit` path that is a file of the model directory, or one path for two reports "
+    "| refused before the run | the report would overwrite the model's config, or another report |",
+    "| two plugins declaring one stage or one serving backend; a plugin calling `sys.exit` at import or in a stage; a "
+    "stage running past its time limit (`--stage-timeout`, else the stage's own) | refused naming both "
+    "distributions; the plugin skipped as broken; the stage failed | a plugin cannot replace a built-in verdict or "
+    "end the check with no report |",
+    "| `runtime install --root` at a non-empty directory without `runtime.json`; `runtime use` of an interpreter "
+    "that cannot import vLLM | refused, nothing deleted or written | the root is someone else's |",
+    "| `replica` of a model whose weights exceed the device's free memory; `--layouts` needing more CPU ranks than "
+    "the machine runs | refused / named as not checked | no 4 TiB allocation, no 512 processes |",
     "",
 ]
 
