@@ -362,3 +362,21 @@ def test_a_stage_past_its_time_limit_fails_and_the_check_goes_on(ctx):
     import signal
 
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no timer left behind
+
+
+def test_a_callers_own_alarm_is_left_alone(ctx):
+    """Where the caller runs an alarm of its own (pytest-timeout's signal method), the stage gets no limit of ours
+    and the caller's timer and handler are as they were."""
+    import signal
+
+    fired: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    signal.setitimer(signal.ITIMER_REAL, 60.0)
+    try:
+        report = run_checks(ctx, plan([Idle]))
+        assert report.results[0].status is Status.PASS
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < remaining <= 60.0 and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -126,8 +126,14 @@ class StageTimeoutError(Exception):
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Raise :class:`StageTimeoutError` in the block once it has run ``seconds`` (a SIGALRM timer: the main thread
     only, where the CLI and pytest run stages; a long call into C ends first). None or 0: no limit; elsewhere than
-    the main thread, none either."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
+    the main thread, or where the caller runs an alarm of its own (pytest-timeout's), none either: the process has
+    one such timer, and the caller's is left alone."""
+    theirs = signal.getitimer(signal.ITIMER_REAL)[0] > 0 or signal.getsignal(signal.SIGALRM) not in (
+        signal.SIG_DFL,
+        signal.SIG_IGN,
+        None,
+    )
+    if not seconds or threading.current_thread() is not threading.main_thread() or theirs:
         yield
         return
 
