@@ -221,3 +221,24 @@ def test_a_plugin_cannot_replace_a_serving_backend(monkeypatch: pytest.MonkeyPat
     assert "serving backend 'vllm' is provided by both dist-" in str(caught.value)
     assert "dist-aaa-impostor (plugin 'aaa-impostor')" in str(caught.value)
     assert "dist-builtin (plugin 'builtin')" in str(caught.value)
+
+
+def test_a_built_in_declaration_edited_in_place_is_not_registered_as_the_projects():
+    """A plugin that loosens a built-in handler's tolerance in place (its dict) at import: the built-ins are refused
+    with a line saying so, not registered and shown as ``builtin`` with the loosened limit."""
+    from model_support.handlers import QWEN3
+
+    tolerances = QWEN3.runtime.tolerances
+    assert isinstance(tolerances, dict)
+    tolerances["hf_parity.rel_l2"] = 1.0  # what such a plugin does when imported
+    try:
+        registry = load_registry(env={})
+        assert "qwen3" not in registry.handlers
+        assert any(
+            "plugin 'builtin' (model-support) skipped: model_support_handlers() raised HandlerConflictError: the "
+            "built-in declaration of qwen3 was changed in this process after it was imported" in problem
+            for problem in registry.problems
+        ), registry.problems
+    finally:
+        del tolerances["hf_parity.rel_l2"]
+    assert "qwen3" in load_registry(env={}).handlers
