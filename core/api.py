@@ -228,7 +228,7 @@ def load_adapter(model: TrainingModel, adapter_dir: str | Path) -> None:
     import math
 
     from model_support.core.codecs import load_peft_adapter
-    from model_support.core.megatron.lora import LoraError, load_lora_state
+    from model_support.core.megatron.lora import LoraError, load_lora_state, refuse_nonfinite
 
     lora = _require_lora(model)
     config, tensors = load_peft_adapter(Path(adapter_dir))
@@ -246,9 +246,7 @@ def load_adapter(model: TrainingModel, adapter_dir: str | Path) -> None:
             f"{adapter_dir} has lora_alpha={alpha:g}, the model's LoRA {first.alpha:g}: loading it would scale every "
             "update differently; apply_lora with the adapter's alpha to load it"
         )
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
-            raise LoraError(f"{adapter_dir}: {name} holds non-finite values; nothing was loaded")
+    refuse_nonfinite(tensors, f"{adapter_dir}: ")
     load_lora_state(model.chunks, model.spec.codec.from_peft(tensors, model.config, model.layout))
 
 

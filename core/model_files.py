@@ -40,11 +40,16 @@ def allowed_roots(model_dir: Path) -> list[Path]:
     return [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
 
 
+def _inside(model_dir: Path, path: Path) -> bool:
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root) for root in allowed_roots(model_dir))
+
+
 def check_file(model_dir: Path, path: Path, error: type[Exception] = ConfigError) -> None:
     """``path`` (named as a file of ``model_dir``) must resolve inside it and be a regular file (``os.stat``: a FIFO
     is found without opening it, which would block)."""
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in allowed_roots(model_dir)):
+    if not _inside(model_dir, path):
+        resolved = path.resolve()
         raise error(f"{path} is a symlink to {resolved}, outside {model_dir}; copy the file into the model directory")
     mode = path.stat().st_mode
     if not stat.S_ISREG(mode):
@@ -71,7 +76,7 @@ def check_support_files(model_dir: Path) -> None:
         if not isinstance(value, str) or not value:
             continue
         named = model_dir / value  # an absolute value replaces the directory
-        if not any(named.resolve().is_relative_to(root) for root in allowed_roots(model_dir)):
+        if not _inside(model_dir, named):
             raise ConfigError(
                 f"{config} names {key} {value!r}, a file outside {model_dir}; tokenizer files must be in the model "
                 "directory"

@@ -181,6 +181,21 @@ def abandoned(directory: Path) -> bool:
     return True
 
 
+def claim_staging(staging: Path, target: Path, error: type[Exception]) -> int:
+    """Make ``staging`` (the hidden directory ``target`` is written in before it is published) this process's and
+    return its lock's descriptor (:func:`release` it): a killed writer's leftovers there are removed; a staging
+    directory another live process holds, or one an older version left without a lock, is refused with ``error``."""
+    if staging.exists():
+        if not abandoned(staging):
+            raise error(
+                f"{staging} is being written by another process (or was left by a version that held no lock): wait "
+                f"for it, or remove it if nothing writes {target}"
+            )
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return hold(staging)
+
+
 def sweep(parent: Path, pattern: str) -> list[Path]:
     """Remove the directories under ``parent`` matching ``pattern`` whose process died while writing them."""
     removed = []

@@ -320,10 +320,17 @@ def load_lora_state(model: Chunks, tensors: Mapping[str, torch.Tensor]) -> None:
             tensor = tensors[f"{name}.lora_{factor}.weight"]
             if tuple(tensor.shape) != want:
                 raise LoraError(f"{name}.lora_{factor}.weight is {list(tensor.shape)}, the model's is {list(want)}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise LoraError(f"{name}.lora_{factor}.weight holds non-finite values; nothing was loaded")
+    refuse_nonfinite(tensors)
     for name, module in modules.items():
         module.load_canonical(tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"])
+
+
+def refuse_nonfinite(tensors: Mapping[str, torch.Tensor], where: str = "") -> None:
+    """A one-line :class:`LoraError` naming the first tensor holding a NaN or infinite value (``where``: its source,
+    before the name)."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise LoraError(f"{where}{name} holds non-finite values; nothing was loaded")
 
 
 def sync_sequence_parallel_grads(model: Chunks) -> None:

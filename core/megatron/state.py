@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from model_support.core.errors import ModelSupportError
 from model_support.core.megatron.lora import Chunks, lora_modules
-from model_support.core.outputs import abandoned, hold, release, sweep
+from model_support.core.outputs import claim_staging, release, sweep
 
 FORMAT = "model-support-train-state/2"
 MANIFEST = "manifest.json"
@@ -165,12 +165,8 @@ def save_state(chunks: Chunks, optimizer: torch.optim.Optimizer, path: Path, *, 
     def prepare() -> None:
         if path.exists():
             raise StateError(f"{path} already exists: save each state to a new path (or remove the old one)")
-        if staging.exists() and not abandoned(staging):
-            raise StateError(f"{staging} is being written by another save (or an older version's): wait, or remove it")
-        shutil.rmtree(staging, ignore_errors=True)  # a killed save's leftovers
-        sweep(path.parent, ".*.partial")  # and those of killed saves to other paths here
-        staging.mkdir(parents=True)
-        held.append(hold(staging))
+        sweep(path.parent, ".*.partial")  # the leftovers of killed saves (and exports) here
+        held.append(claim_staging(staging, path, StateError))
 
     _all_agree(_attempt(prepare)[1] if rank == 0 else None)
     shard = {

@@ -23,7 +23,7 @@ import torch
 
 from model_support.core.checkpoint import weight_files
 from model_support.core.codecs import PEFT_PREFIX, CodecError, load_peft_adapter
-from model_support.core.outputs import abandoned, hold, release
+from model_support.core.outputs import claim_staging, release
 from model_support.core.serving.errors import ExportError
 
 INDEX = "model.safetensors.index.json"
@@ -103,15 +103,7 @@ class CheckpointWriter:
         if (self.out_dir / INDEX).exists() or (self.out_dir.exists() and any(self.out_dir.iterdir())):
             raise ExportError(f"{self.out_dir} already exists; choose a new directory for the export")
         self.staging = self.out_dir.with_name(f".{self.out_dir.name}.partial")
-        if self.staging.exists():
-            if not abandoned(self.staging):  # another process is writing this export now
-                raise ExportError(
-                    f"{self.staging} is being written by another process (or was left by a version that held no "
-                    f"lock): wait for it, or remove it if nothing writes {self.out_dir}"
-                )
-            shutil.rmtree(self.staging)  # a killed export's leftovers
-        self.staging.mkdir(parents=True)
-        self._lock: int | None = hold(self.staging)
+        self._lock: int | None = claim_staging(self.staging, self.out_dir, ExportError)
         self.support_from = support_from
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0

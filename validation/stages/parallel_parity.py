@@ -134,9 +134,10 @@ class ParallelParityStage(Stage):
         details: list[str] = []
         layouts: list[str] = []
         for name in ctx.layouts or default_layouts(ctx.layout.moe is not None):
-            refused = ctx.spec.runtime.refused(ParallelLayout.parse(name))
-            cannot = unfit(ParallelLayout.parse(name), ctx.layout.num_layers)
-            needs, gpus = ParallelLayout.parse(name).model_parallel, torch.cuda.device_count()
+            layout = ParallelLayout.parse(name)
+            refused = ctx.spec.runtime.refused(layout)
+            cannot = unfit(layout, ctx.layout.num_layers)
+            needs, gpus = layout.model_parallel, torch.cuda.device_count()
             if gpus and needs > gpus:  # one process per GPU; CPU ranks at a GPU model's width would take hours
                 details.append(
                     f"{name}: not checked, it needs {needs} GPUs and the node has {gpus} (with CUDA_VISIBLE_DEVICES= "
@@ -173,9 +174,8 @@ class ParallelParityStage(Stage):
         mutation = active_mutation()
         if mutation is not None:  # `model-support selftest` injects its bug into the workers too
             cmd += ["--mutation", mutation]
+        # One process per GPU: _layouts keeps only the layouts the node's GPUs hold (all of them on the CPU, gloo).
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if torch.cuda.device_count() < world:  # one process per GPU, or all on the CPU (gloo)
-            env["CUDA_VISIBLE_DEVICES"] = ""
         job = ManagedProcess(Path(sys.executable), cmd, env=env, log_path=ctx.workdir / "parallel-parity.log").start()
         ctx.state.set(JOB, job)
         return job
