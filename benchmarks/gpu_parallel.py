@@ -9,7 +9,10 @@ with a planted failure on rank 1 (the job must end, not hang). Run on the device
 
     PYTHONPATH=/tmp/ms:/tmp/site python3 -m benchmarks.gpu_parallel --out $OUT --case qwen3 --case qwen3-moe
 
-Writes ``OUT/gpu-parallel.json`` (every metric) and prints one Markdown table.
+With ``--sharded CASE@LAYOUT``: ``check CASE --parallel LAYOUT`` over the Megatron stages (the model under test
+sharded across the GPUs), each stage's numbers and seconds, each GPU's peak memory.
+
+Writes ``OUT/gpu-parallel.json`` (every metric) and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -94,16 +97,8 @@ def check_case(case: str, layouts: str | None, out: Path, log: Path, timeout: fl
     its own layouts after ``@``."""
     case, _, own = case.partition("@")
     layouts = own or layouts
-    handler, *rest = case.split(":")
     work = out / case.replace(":", "-")
-    if rest:
-        model = work / "model"
-        extra = ["--experts", rest[1]] if len(rest) > 1 else []
-        if not model.exists():
-            _run(_cli("replica", handler, str(model), "--layers", rest[0], "--dtype", "bf16", *extra), log, timeout)
-        target = [str(model)]
-    else:
-        target = [handler, "--tiny"]
+    target = model_of(case, work, log, timeout)
     report = work / "report.json"
     cmd = _cli("check", *target, "-s", "parallel_parity", "--alone", "--json", str(report), "-v")
     cmd += ["--layouts", layouts] if layouts else []
@@ -115,6 +110,69 @@ def check_case(case: str, layouts: str | None, out: Path, log: Path, timeout: fl
         result |= {"status": verdict["status"], "summary": verdict["summary"], "metrics": verdict["metrics"]}
         result["details"] = verdict["details"]
     return result
+
+
+MEGATRON_STAGES = "hf_parity,lora_coverage,lora_gradients,packed_position_ids,shared_prefix,trainability"
+SHARDED_SHOWN = {
+    "hf_parity": ("rel_l2", "long_rel_l2"),
+    "lora_coverage": ("adapter_logits_rel_l2", "lora_modules"),
+    "lora_gradients": ("long_grad_rel_l2", "packed_grad_rel_l2"),
+    "packed_position_ids": ("logits_rel_l2", "grad_mean_abs_pct"),
+    "shared_prefix": ("logits_rel_l2", "grad_mean_abs_pct"),
+    "trainability": ("loss_ratio", "steps"),
+}
+
+
+def model_of(case: str, work: Path, log: Path, timeout: float) -> list[str]:
+    """The check's target for ``HANDLER[:LAYERS[:EXPERTS]]``: the tiny replica, or a bf16 replica at the handler's
+    reference width (built once)."""
+    handler, *rest = case.split(":")
+    if not rest:
+        return [handler, "--tiny"]
+    model = work / "model"
+    extra = ["--experts", rest[1]] if len(rest) > 1 else []
+    if not model.exists():
+        _run(_cli("replica", handler, str(model), "--layers", rest[0], "--dtype", "bf16", *extra), log, timeout)
+    return [str(model)]
+
+
+def sharded_case(spec: str, out: Path, log: Path, timeout: float) -> dict[str, Any]:
+    """``check MODEL --parallel LAYOUT`` over the Megatron stages (``CASE@LAYOUT[/STAGES]``): each stage's status,
+    seconds and numbers, and each GPU's peak memory."""
+    case, _, rest = spec.partition("@")
+    layout, _, stages = rest.partition("/")
+    work = out / case.replace(":", "-")
+    target = model_of(case, work, log, timeout)
+    report = work / f"sharded-{layout}.json"
+    cmd = _cli("check", *target, "--parallel", layout, "--json", str(report), "-v")
+    for stage in (stages or MEGATRON_STAGES).split(","):
+        cmd += ["-s", stage]
+    with PeakMemory() as memory:
+        code, seconds = _run(cmd, log, timeout)
+    result: dict[str, Any] = {"case": case, "layout": layout, "exit": code, "seconds": round(seconds, 1)}
+    result["peak_mib"] = memory.peak
+    if report.exists():
+        result["stages"] = json.loads(report.read_text())["results"]
+    return result
+
+
+def sharded_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| case | layout | stage | status | numbers | s |", "| --- | --- | --- | --- | --- | ---: |"]
+    for r in results:
+        peak = " / ".join(str(v) for _, v in sorted(r["peak_mib"].items()))
+        lines.append(
+            f"| {r['case']} | {r['layout']} | (whole check) | exit {r['exit']} | peak MiB {peak} | {r['seconds']} |"
+        )
+        for stage in r.get("stages", []):
+            if stage["stage"] not in SHARDED_SHOWN:
+                continue
+            shown = ", ".join(
+                f"{k} {stage['metrics'][k]:.3g}" for k in SHARDED_SHOWN[stage["stage"]] if k in stage["metrics"]
+            )
+            lines.append(
+                f"| | | {stage['stage']} | {stage['status']} | {shown or stage['summary']} | {stage['duration_s']} |"
+            )
+    return "\n".join(lines)
 
 
 def torchrun_case(handler: str, runs: str, out: Path, log: Path, timeout: float) -> dict[str, Any]:
@@ -171,6 +229,12 @@ def main() -> int:
     parser.add_argument(
         "--torchrun", help="HANDLER:RUNS, e.g. qwen3-moe:single,ep2,ep2.bf16: the worker under torchrun"
     )
+    parser.add_argument(
+        "--sharded",
+        action="append",
+        default=[],
+        help="CASE@LAYOUT[/STAGES]: check CASE --parallel LAYOUT over the Megatron stages (or STAGES)",
+    )
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -180,12 +244,19 @@ def main() -> int:
         results.append(check_case(case, args.layouts, args.out, log, args.timeout))
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("metrics", "details")}), flush=True)
     record["checks"] = results
+    sharded = []
+    for spec in args.sharded:
+        sharded.append(sharded_case(spec, args.out, log, args.timeout))
+        print(json.dumps({k: v for k, v in sharded[-1].items() if k != "stages"}), flush=True)
+        (args.out / "gpu-parallel.json").write_text(json.dumps(record | {"sharded": sharded}, indent=1))
+    record["sharded"] = sharded
     if args.torchrun:
         handler, _, runs = args.torchrun.partition(":")
         record["torchrun"] = torchrun_case(handler, runs, args.out, log, args.timeout)
         print(json.dumps(record["torchrun"], indent=1), flush=True)
     (args.out / "gpu-parallel.json").write_text(json.dumps(record, indent=1))
     print(table(results))
+    print(sharded_table(sharded))
     return 0
 
 

@@ -270,6 +270,14 @@ def check(
             "the built-in ones).",
         ),
     ] = None,
+    parallel: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the Megatron stages with the model sharded in this tensor / expert parallel layout (tpN, epN, "
+            "etpN joined by '-', e.g. ep4 or tp2-ep2) across one process per GPU (gloo ranks on a CPU): a checkpoint "
+            "larger than one GPU. The other stages are skipped."
+        ),
+    ] = None,
 ) -> None:
     """Resolve the handler for a model and run the validation stages on it."""
     from model_support.core.outputs import (
@@ -288,9 +296,10 @@ def check(
             check_report_path(option, path)
     if workdir is not None:
         check_workdir(workdir)
-    from model_support.core.parallel import parse_layouts
+    from model_support.core.parallel import ParallelLayout, parse_layouts
 
     chosen_layouts = parse_layouts(layouts) if layouts else None
+    sharded = ParallelLayout.parse(parallel) if parallel else None
     registry, registered = _loaded(prefer)
     source = source_for(target, registry, tiny)
     reports = {"--json": json_out, "--markdown": markdown_out, "--junit": junit_out}
@@ -300,6 +309,10 @@ def check(
     if alone and not stage:
         raise ModelSupportError("--alone runs the stages named with --stage, and none is named; add --stage NAME")
     stages_to_run = plan(registered.classes(), stage, alone=alone)
+    if sharded is not None:
+        from model_support.validation.parallel_check import refuse_layout
+
+        refuse_layout(handler.spec, sharded)
     if not tiny:
         from model_support.core.checkpoint import stored_tensors
 
@@ -331,10 +344,23 @@ def check(
                 dtype=None if dtype is None else dtype.value,
                 layouts=chosen_layouts,
                 stage_timeout_s=stage_timeout,
+                parallel=sharded,
             )
             checking = f"checking {target} with handler {handler.spec.name} ({handler.origin}): {ctx.layout.describe()}"
-            err.print(checking, markup=False, highlight=False, soft_wrap=True)
-            report = run_checks(ctx, stages_to_run, on_result=_print_progress)
+            if sharded is None:
+                err.print(checking, markup=False, highlight=False, soft_wrap=True)
+                report = run_checks(ctx, stages_to_run, on_result=_print_progress)
+            else:
+                from model_support.validation.parallel_check import refuse_memory, run_sharded
+                from model_support.validation.runner import new_report
+
+                refuse_memory(ctx, sharded)
+                checking += f"; sharded {sharded.name} over {sharded.model_parallel} ranks"
+                err.print(checking, markup=False, highlight=False, soft_wrap=True)
+                report = new_report(ctx)
+                report.results = run_sharded(
+                    ctx, stages_to_run, on_result=_print_progress, prefer=parse_preferences(",".join(prefer or []))
+                )
         finally:
             # A finished --workdir run keeps its files; a temporary one keeps them only when a stage failed (logs to
             # read). A run refused (a config transformers rejects) or interrupted leaves nothing.

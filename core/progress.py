@@ -72,6 +72,18 @@ def shown_on(console: Console) -> Iterator[None]:
 
 
 @contextmanager
+def silenced() -> Iterator[None]:
+    """Show nothing of the steps inside the block (a rank of ``check --parallel``: the check's process shows its
+    results)."""
+    global _display
+    previous, _display = _display, None
+    try:
+        yield
+    finally:
+        _display = previous
+
+
+@contextmanager
 def step(what: str, *, indent: int | None = None, end_line: bool = True) -> Iterator[None]:
     """Show ``what`` while the block runs (nothing unless inside :func:`shown_on`).
 

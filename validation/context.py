@@ -23,6 +23,7 @@ CHAT_RENDER_MAX_BYTES = 8 * 2**30  # the child's address space
 
 if TYPE_CHECKING:
     from model_support.core.layout import ModelLayout
+    from model_support.core.parallel import ParallelLayout
     from model_support.core.registry import RegisteredHandler, Registry
 
 
@@ -48,6 +49,9 @@ class CheckContext:
     dtype: str | None = None
     # Parallel layouts for `parallel_parity` ("tp2", "tp2-sp", "ep2", ...); None: the stage's default for the model.
     layouts: tuple[str, ...] | None = None
+    # The layout the Megatron stages' model is sharded in across this run's ranks (``check --parallel``); None: one
+    # process, the whole model on its device.
+    parallel: ParallelLayout | None = None
     # Seconds any stage's run may take (``check --stage-timeout``); None: each stage's own ``time_limit_s``.
     stage_timeout_s: float | None = None
     state: RunState = field(init=False, repr=False)

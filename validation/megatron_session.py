@@ -24,7 +24,9 @@ LORA_ALPHA = 16.0
 def _build_training_model(ctx: Any) -> TrainingModel:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[ctx.dtype]
     with timing.phase("build"):
-        model = api.build_model(ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype)
+        model = api.build_model(
+            ctx.model_dir, handler=ctx.handler, config=ctx.config, dtype=dtype, parallel=ctx.parallel
+        )
     model.module.eval()
     return model
 
@@ -51,8 +53,9 @@ class References:
 
 TRAINING_MODEL: Resource[TrainingModel] = Resource(
     "training_model",
-    "the bridge-built Megatron model, converted once per run (tensor parallel 1) through the training-time API, in "
-    "the dtype `check --dtype` asks for (default: the device's)",
+    "the bridge-built Megatron model, converted once per run through the training-time API, in the dtype "
+    "`check --dtype` asks for (default: the device's): whole in one process, or sharded across the run's ranks in "
+    "the layout `check --parallel` names",
     _build_training_model,
 )
 LORA: Resource[LoraReport] = Resource(

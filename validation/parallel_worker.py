@@ -24,10 +24,8 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +41,7 @@ from model_support.core.megatron.names import global_name
 from model_support.core.megatron.rows import RowLayout
 from model_support.core.precision import exact_fp32
 from model_support.core.registry import load_registry
+from model_support.validation import ranks
 from model_support.validation.selftest import injected
 
 SEED = 3
@@ -55,8 +54,6 @@ SHARED_ROW = (10, (6, 4, 6))  # a prompt and its completions in one row (26 toke
 # A rank that stalls without raising (a deadlock, a lost peer) fails its collectives after this; the longest
 # legitimate wait is a peer building its model (a real-width pipeline stage loading from disk).
 COLLECTIVE_TIMEOUT_S = 600.0
-GRACE_S = 3.0  # how long the other ranks get to end by themselves once one has failed
-FAILURE_FILE = "job.failure"  # the launcher's word on which rank failed first
 
 
 def _layout(name: str) -> ParallelLayout:
@@ -269,59 +266,13 @@ def main(argv: list[str]) -> None:
 
 
 def launch(args: argparse.Namespace) -> None:
-    """Run ``args.world`` ranks as forks of this process, each with the variables torchrun would set: the ranks
-    inherit the modules this process imported (torch, megatron-core, the bridge, transformers), seconds of CPU that
-    each rank would spend importing them again. Forked before any rank touches CUDA, OpenMP or torch.distributed
-    (this process starts no thread of theirs).
-
-    The first rank to exit non-zero ends the job, as torchrun's agent does: the others get ``GRACE_S`` seconds,
-    then SIGTERM, then SIGKILL (a rank waiting in a collective for the failed one never returns by itself). Exit
-    status 1, the failed rank's error in ``OUT/<layout>.rank<R>.error``.
-
-    Rank 0 hosts the rendezvous store on a port the system gives it when it binds, and tells the others (which
-    join it as clients, ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's ranks join its agent's store): a port chosen
-    free beforehand could be taken before rank 0 bound it (a vLLM server starting beside the job took one:
-    EADDRINUSE)."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
-
-    fork = multiprocessing.get_context("fork")
-    port, published = fork.Value("i", 0), fork.Event()
-    context = mp.start_processes(
-        _rank, args=(args, port, published), nprocs=args.world, start_method="fork", join=False
-    )
+    """Run ``args.world`` ranks forked from this process (:func:`model_support.validation.ranks.launch`): exit
+    status 1 when one failed, its error in ``OUT/<layout>.rank<R>.error``."""
     try:
-        while not context.join(grace_period=GRACE_S):
-            pass
-    except ProcessException as exc:
-        line = f"rank {exc.error_index}: {str(exc).splitlines()[0]}"
-        # The first rank to fail, for the stage: one that died of a signal wrote no error of its own.
-        (args.out_dir / FAILURE_FILE).write_text(json.dumps({"rank": exc.error_index, "line": line}))
-        print(f"parallel_worker: the job ended: {line}")
+        ranks.launch(args.world, run, (args,), args.out_dir)
+    except ranks.JobFailed as exc:
+        print(f"parallel_worker: the job ended: {exc.line}")
         sys.exit(1)
-
-
-_STORE: list[dist.TCPStore] = []  # rank 0's rendezvous store, held for the job's life
-
-
-def _rank(rank: int, args: argparse.Namespace, port: Any, published: Any) -> None:
-    if rank == 0:
-        _STORE.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
-        port.value = _STORE[0].port
-        published.set()
-    published.wait()  # no timeout: if rank 0 dies first, torch.multiprocessing ends this rank
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.world),
-        LOCAL_WORLD_SIZE=str(args.world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port.value),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-    run(args)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -340,23 +291,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _fail(out_dir: Path, name: str, exc: Exception) -> None:
-    """Write this rank's error for layout ``name`` to ``OUT/<layout>.rank<R>.error`` and leave at once (exit 1).
-
-    A rank that goes on after an error leaves its peers waiting in a collective it will never join (the next
-    layout's group setup on one rank, the last layout's all-reduce on another): nothing in torch.distributed ends
-    that wait short of the group's timeout. So the rank exits, and the launcher (this module's, or torchrun's agent)
-    ends the others; the stage starts the layouts left in a new job. ``os._exit``: interpreter shutdown would wait
-    on the process group's pending work, which a failed peer never completes."""
-    # The error line first, then the traceback for the log. The first rank to fail holds the cause; the others'
-    # errors usually only say that a peer went away.
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    error = f"{type(exc).__name__}: {first}\n{traceback.format_exc()}"
-    rank = os.environ.get("RANK", "0")  # not dist.get_rank(): the error may be the process group's own start
-    (out_dir / f"{name}.rank{rank}.error").write_text(error)
-    print(f"rank {rank}, layout {name}: {error}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    """Write this rank's error for layout ``name`` to ``OUT/<layout>.rank<R>.error`` and leave at once (exit 1,
+    :func:`model_support.validation.ranks.fail`); the stage starts the layouts left in a new job."""
+    ranks.fail(out_dir / f"{name}.rank{os.environ.get('RANK', '0')}.error", exc)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ class CheckRequest:
     alone: bool = False
     # The Megatron model's dtype (``check --dtype``: "bf16" or "fp32"); None: the device's.
     dtype: str | None = None
+    # The layout the Megatron stages' model is sharded in across ranks (``check --parallel``, e.g. "ep2").
+    parallel: str | None = None
 
     @property
     def label(self) -> str:
@@ -73,9 +75,11 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     """
     from model_support.core import api
     from model_support.core.discovery import load_config, locate, source_for
+    from model_support.core.parallel import ParallelLayout
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
-    from model_support.validation.runner import plan, run_checks
+    from model_support.validation.parallel_check import run_sharded
+    from model_support.validation.runner import new_report, plan, run_checks
     from model_support.validation.stage_registry import load_stages
 
     registry = registry or load_registry(prefer=dict(request.prefer))
@@ -102,8 +106,13 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
         seed=request.seed,
         layouts=request.layouts or None,
         dtype=request.dtype,
+        parallel=None if request.parallel is None else ParallelLayout.parse(request.parallel),
     )
-    return run_checks(ctx, stages)
+    if ctx.parallel is None:
+        return run_checks(ctx, stages)
+    report = new_report(ctx)
+    report.results = run_sharded(ctx, stages, on_result=lambda _result: None, prefer=dict(request.prefer))
+    return report
 
 
 def report_text(report: Report, problems: Sequence[str] = ()) -> str:

@@ -93,6 +93,12 @@ def run_packed(
 
 
 def _take_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Every trainable parameter's gradient: the LoRA factors' as the whole model's (:func:`lora_state`: shards
+    gathered, each data-parallel replica having run the same rows), any other by this rank's name."""
+    from model_support.core.megatron.lora import lora_state, reduce_lora_grads
+
+    reduce_lora_grads(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n}
+    grads |= lora_state(model, grads=True)
     model.zero_grad(set_to_none=True)
     return grads

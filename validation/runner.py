@@ -110,12 +110,26 @@ def plan(
 
 
 def _not_applicable(stage: Stage, ctx: CheckContext) -> str | None:
-    """Why ``stage`` cannot run on this model here: a package it imports is missing, or its own skip reason."""
+    """Why ``stage`` cannot run on this model here: a check with the model sharded runs only stages that can read it
+    so, a package it imports is missing, or its own skip reason."""
+    if ctx.parallel is not None and not type(stage).sharded:
+        return (
+            "check --parallel runs the stages that use the sharded Megatron model (and their prerequisites); "
+            "check without --parallel runs this one"
+        )
     for requirement in type(stage).packages:
         reason = requirement.missing_reason()
         if reason:
             return reason
     return stage.skip_reason(ctx)
+
+
+class RankStageError(Exception):
+    """A stage raised in a rank of ``check --parallel`` (the cause: its error); the rank's job ends."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(f"stage {stage!r} raised")
+        self.stage = stage
 
 
 class StageTimeoutError(Exception):
@@ -171,23 +185,10 @@ def _run_one(
             result = stage.run(ctx)
         if unchecked:
             result.details.append(f"run alone: prerequisite stage(s) {', '.join(unchecked)} not run")
-    except StageTimeoutError:
-        return stage.failed(
-            f"ran past its time limit of {limit:g} s (the stage's time_limit_s; check --stage-timeout sets another)",
-            details=traceback.format_exc().rstrip().splitlines()[-12:],
-        )
-    except ModelSupportError as exc:  # our own errors already say what is wrong and what to do
-        return stage.failed(str(exc))
-    except SystemExit as exc:  # a stage ending the process would end the check with no report, and exit 0
-        return stage.failed(
-            f"called sys.exit({exc.code!r}) ({type(stage).__module__}); a stage reports through its result",
-            details=traceback.format_exc().rstrip().splitlines()[-12:],
-        )
-    except Exception as exc:
-        return stage.failed(
-            f"raised {type(exc).__name__}: {exc}",
-            details=traceback.format_exc().rstrip().splitlines()[-12:],
-        )
+    except (Exception, SystemExit) as exc:
+        if ctx.parallel is not None:  # its peers may wait in a collective this rank will not join: the job ends
+            raise RankStageError(stage.name) from exc
+        return _raised(stage, exc, limit)
     nonfinite = sorted(k for k, v in result.metrics.items() if isinstance(v, float) and not math.isfinite(v))
     if nonfinite and result.status is Status.PASS:
         return stage.failed(
@@ -199,12 +200,46 @@ def _run_one(
     return result
 
 
+def _raised(stage: Stage, exc: BaseException, limit: float) -> StageResult:
+    """The failed result of a stage whose run raised ``exc``."""
+    trace = traceback.format_exc().rstrip().splitlines()[-12:]
+    if isinstance(exc, StageTimeoutError):
+        return stage.failed(
+            f"ran past its time limit of {limit:g} s (the stage's time_limit_s; check --stage-timeout sets another)",
+            details=trace,
+        )
+    if isinstance(exc, ModelSupportError):  # our own errors already say what is wrong and what to do
+        return stage.failed(str(exc))
+    if isinstance(exc, SystemExit):  # a stage ending the process would end the check with no report, and exit 0
+        return stage.failed(
+            f"called sys.exit({exc.code!r}) ({type(stage).__module__}); a stage reports through its result",
+            details=trace,
+        )
+    return stage.failed(f"raised {type(exc).__name__}: {exc}", details=trace)
+
+
 def stage_origins(ctx: CheckContext) -> dict[str, str]:
     """Stage name -> the distribution and plugin that registered it (none for a registry built by hand)."""
     from model_support.validation.stage_registry import load_stages
 
     registered = load_stages(ctx.registry).stages if ctx.registry is not None else []
     return {s.stage.name: f"{s.plugin.distribution} (plugin {s.plugin.name!r})" for s in registered}
+
+
+def new_report(ctx: CheckContext) -> Report:
+    """The report of a run on ``ctx``, with no result yet."""
+    layout = ctx.layout.describe()
+    if ctx.parallel is not None:
+        layout += f"; sharded {ctx.parallel.name} over {ctx.parallel.model_parallel} ranks"
+    return Report(
+        target=ctx.target,
+        handler=ctx.spec.name,
+        handler_origin=ctx.handler.origin,
+        model_dir=str(ctx.model_dir),
+        tiny=ctx.tiny,
+        layout=layout,
+        environment=environment(),
+    )
 
 
 def run_checks(
@@ -218,15 +253,7 @@ def run_checks(
     is a progress step while it runs (``core/progress.py``: shown by the ``check`` command); ``on_result`` gets its
     result when it ends.
     """
-    report = Report(
-        target=ctx.target,
-        handler=ctx.spec.name,
-        handler_origin=ctx.handler.origin,
-        model_dir=str(ctx.model_dir),
-        tiny=ctx.tiny,
-        layout=ctx.layout.describe(),
-        environment=environment(),
-    )
+    report = new_report(ctx)
     done: dict[str, StageResult] = {}
     planned = {stage.name for stage in stages}
     misdeclared: dict[str, str] = {}  # stage -> the declaration error its prepare raised

@@ -37,6 +37,9 @@ class Mutation:
     layouts: tuple[str, ...] = ()
     # The dtype the check trains in (``check --dtype``; None: the device's), for a bug that only a bf16 run shows.
     dtype: str | None = None
+    # The layout ``check --parallel`` shards the model under test in (None: one process), for a bug of the sharded
+    # model that the stage holds to transformers.
+    parallel: str | None = None
 
 
 # --- the mutations -------------------------------------------------------------------------------------------------
@@ -642,6 +645,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              "lora_coverage", _lora_dropout_in_train_mode),
     Mutation("scoring-outside-pipeline-schedule", "token/group logprobs run the rank's own pipeline stage outside "
              "the schedule", "qwen3", "parallel_parity", _scoring_outside_the_schedule, layouts=("pp2",)),
+    Mutation("sharded-lora-tp-all-reduce-missing", "row-parallel LoRA skips its tensor-parallel all-reduce, in a "
+             "check of the model sharded tp2", "qwen3", "lora_coverage", _lora_row_reduce_missing, parallel="tp2"),
+    Mutation("sharded-expert-shard-dropped", "the LoRA state keeps one expert-parallel rank's experts, in a check of "
+             "the model sharded ep2", "qwen3-moe", "lora_coverage", lambda: _part_not_gathered("expert"),
+             parallel="ep2"),
     Mutation("lora-input-detached", "the LoRA branch takes x.detach(): no gradient through it into earlier layers",
              "qwen3", "lora_gradients", _lora_input_detached),
     Mutation("lora-b-grad-unscaled", "LoRA B's gradient misses the alpha / r scale (the forward is right)", "qwen3",

@@ -30,11 +30,21 @@ class Outcome:
     ok: bool
 
 
-def _stage_result(handler: str, stage: str, workdir: Path, layouts: tuple[str, ...], dtype: str | None) -> Any:
-    """``stage`` run alone (no prerequisites) on ``handler``'s tiny replica, under ``layouts``, in ``dtype``."""
+def _stage_result(
+    handler: str,
+    stage: str,
+    workdir: Path,
+    layouts: tuple[str, ...],
+    dtype: str | None,
+    parallel: str | None = None,
+) -> Any:
+    """``stage`` run alone (no prerequisites) on ``handler``'s tiny replica, under ``layouts``, in ``dtype``, the
+    model sharded in ``parallel`` (None: one process)."""
     from model_support.validation.pytest_plugin import CheckRequest, run_check
 
-    request = CheckRequest(target=handler, tiny=True, stages=(stage,), layouts=layouts, alone=True, dtype=dtype)
+    request = CheckRequest(
+        target=handler, tiny=True, stages=(stage,), layouts=layouts, alone=True, dtype=dtype, parallel=parallel
+    )
     (result,) = run_check(request, workdir).results
     return result
 
@@ -62,22 +72,23 @@ def run_selftest(
     # One clean run per (handler, stage, dtype), as its mutations run (that stage alone: it builds its own inputs,
     # e.g. the random adapter where no lora_coverage ran), under every layout they run in (the default where one
     # names none).
-    clean: dict[tuple[str, str, str | None], tuple[str, ...] | None] = {}
+    clean: dict[tuple[str, str, str | None, str | None], tuple[str, ...] | None] = {}
     for m in chosen:
         if not (m.needs_server and no_server):
-            before = clean.get((m.handler, m.stage, m.dtype), ())
-            clean[(m.handler, m.stage, m.dtype)] = None if before is None or not m.layouts else (*before, *m.layouts)
-    for (handler, stage, dtype), layouts in clean.items():
+            key = (m.handler, m.stage, m.dtype, m.parallel)
+            before = clean.get(key, ())
+            clean[key] = None if before is None or not m.layouts else (*before, *m.layouts)
+    for (handler, stage, dtype, parallel), layouts in clean.items():
         asked = tuple(dict.fromkeys(layouts or ()))
-        name = f"clean-{handler}-{stage}" + (f"-{dtype}" if dtype else "")
-        result = _stage_result(handler, stage, workdir / name, asked, dtype)
+        name = f"clean-{handler}-{stage}" + (f"-{dtype}" if dtype else "") + (f"-{parallel}" if parallel else "")
+        result = _stage_result(handler, stage, workdir / name, asked, dtype, parallel)
         record(Outcome("clean", "no bug", handler, stage, str(result.status), result.summary, result.status == "pass"))
     for m in chosen:
         if m.needs_server and no_server:
             record(Outcome(m.name, m.bug, m.handler, m.stage, "skip", no_server, True))
             continue
         with selftest.injected(m.name):
-            result = _stage_result(m.handler, m.stage, workdir / m.name, m.layouts, m.dtype)
+            result = _stage_result(m.handler, m.stage, workdir / m.name, m.layouts, m.dtype, m.parallel)
         record(Outcome(m.name, m.bug, m.handler, m.stage, str(result.status), result.summary, result.status == "fail"))
     return outcomes
 

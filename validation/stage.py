@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -71,6 +71,13 @@ class StageResult:
             "origin": self.origin,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageResult:
+        """The result :meth:`to_dict` wrote (a rank of ``check --parallel`` hands its results over so)."""
+        known = {f.name for f in fields(cls)}
+        data = {**data, "status": Status(data["status"]), "time_split": data["time_split_s"]}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
 
 @dataclass(frozen=True)
 class Requirement:
@@ -95,7 +102,8 @@ class Stage(ABC):
     ``packages`` (imports it needs; a missing one skips the stage with an install hint), ``needs`` and ``provides``
     (the run-state resources it reads, built on first use, and those it writes: ``validation/state.py``; using
     one it does not declare is an error), ``time_limit_s`` (its ``run`` fails past it; ``check --stage-timeout``
-    overrides every stage's), and implement ``run``.
+    overrides every stage's), ``sharded`` (it runs in every rank of ``check --parallel``: each rank calls it alike,
+    and it reads the sharded model only through what gathers across ranks), and implement ``run``.
     """
 
     name: ClassVar[str]
@@ -107,6 +115,7 @@ class Stage(ABC):
     provides: ClassVar[tuple[Resource[Any], ...]] = ()
     # Long enough for a real-width stage on a fresh GPU (the slowest measured: hf_parity, 376 s with autotuning).
     time_limit_s: ClassVar[float] = 3600.0
+    sharded: ClassVar[bool] = False
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         """Why this stage does not apply to the model at hand (``None``: it applies)."""

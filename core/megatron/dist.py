@@ -4,17 +4,61 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from model_support.core.parallel import ParallelLayout, ParallelLayoutError
 
-__all__ = ["ParallelLayout", "ParallelLayoutError", "device", "init_parallel"]
+__all__ = [
+    "ParallelLayout",
+    "ParallelLayoutError",
+    "device",
+    "init_parallel",
+    "max_over_ranks",
+    "my_share",
+    "sum_over_ranks",
+    "union_over_ranks",
+]
 
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sharded() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def my_share[T](items: list[T]) -> list[T]:
+    """This rank's share of ``items`` (every ``world``-th from its rank), for work the ranks split and then add up
+    (:func:`sum_over_ranks`, :func:`union_over_ranks`); all of them in a world of one."""
+    if not _sharded():
+        return list(items)
+    return items[dist.get_rank() :: dist.get_world_size()]
+
+
+def _every_rank[T](value: T) -> list[T]:
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, value)
+    return parts
+
+
+def union_over_ranks(names: set[str] | list[str]) -> set[str]:
+    """The union of every rank's ``names`` (a name of each parameter or module this rank holds: experts differ
+    between expert-parallel ranks), on every rank; ``set(names)`` in a world of one."""
+    return set().union(*_every_rank(set(names))) if _sharded() else set(names)
+
+
+def sum_over_ranks(value: int) -> int:
+    """The sum of every rank's ``value`` (a count of what this rank holds), on every rank."""
+    return sum(_every_rank(value)) if _sharded() else value
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's ``value`` (an error over what this rank holds), on every rank."""
+    return max(_every_rank(value)) if _sharded() else value
 
 
 def init_parallel(layout: ParallelLayout | None = None, *, timeout: timedelta | None = None) -> None:

@@ -143,22 +143,22 @@ class LoraLinear(torch.nn.Module):
         return torch.cat(parts)
 
     def _row_gather(self, local: torch.Tensor) -> torch.Tensor:
-        shards = _all_gather(local, self.group)
-        pieces, offset = [], 0
-        for size in self.sections:
-            chunk = size // self.tp
-            pieces.extend(shard[offset : offset + chunk] for shard in shards)
-            offset += chunk
-        return torch.cat(pieces)
+        return _gather_rows(local, self.sections, self.group)
 
     def canonical_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """The shapes of (A, B) in the TP=1 layout."""
         (rank, cols), (rows, _) = self.lora_A.weight.shape, self.lora_B.weight.shape
         return (rank, cols if self.column else cols * self.tp), (rows * self.tp if self.column else rows, rank)
 
-    def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [r, in], B [out, r]) in the TP=1 layout, on every rank."""
+    def canonical(self, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [r, in], B [out, r]) in the TP=1 layout, on every rank; with ``grads``, their gradients (zeros where
+        none) in that layout."""
         a, b = self.lora_A.weight.detach(), self.lora_B.weight.detach()
+        if grads:
+            a, b = (
+                torch.zeros_like(w) if w.grad is None else w.grad.detach()
+                for w in (self.lora_A.weight, self.lora_B.weight)
+            )
         if self.tp == 1:
             return a.clone(), b.clone()
         if self.column:
@@ -197,6 +197,31 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     shards = [torch.empty_like(t) for _ in range(group.size())]
     dist.all_gather(shards, t.contiguous(), group=group)
     return shards
+
+
+def _gather_rows(local: torch.Tensor, sections: list[int], group) -> torch.Tensor:
+    """The whole of a column-parallel tensor from each rank's rows: every full-size row section of a fused output
+    (``sections``) is split across the ranks, so the shards interleave section by section."""
+    shards, tp = _all_gather(local, group), group.size()
+    pieces, offset = [], 0
+    for size in sections:
+        chunk = size // tp
+        pieces.extend(shard[offset : offset + chunk] for shard in shards)
+        offset += chunk
+    return torch.cat(pieces)
+
+
+def canonical_weight(name: str, linear: torch.nn.Module, parent: torch.nn.Module) -> torch.Tensor:
+    """A tensor-parallel linear's weight in the TP=1 layout (``name``: the linear's module name, ``parent``: the
+    module holding it), its shards gathered over its tensor-parallel group: every rank of the group calls it."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    weight, group = linear.weight.detach(), linear.tp_group
+    if group is None or group.size() == 1:
+        return weight
+    if isinstance(linear, ColumnParallelLinear):
+        return _gather_rows(weight, _sections(name, linear, parent, group.size()), group)
+    return torch.cat(_all_gather(weight, group), dim=1)
 
 
 @dataclass
@@ -285,13 +310,13 @@ def _spread_over() -> list[tuple[object, Callable[[str], bool]]]:
     return groups
 
 
-def lora_state(model: Chunks) -> dict[str, torch.Tensor]:
+def lora_state(model: Chunks, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Canonical LoRA tensors keyed ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, the whole model's on
     every rank (tensor-parallel shards gathered, experts of every expert-parallel rank, layers of every pipeline
-    stage)."""
+    stage); with ``grads``, their gradients as the ranks hold them (zeros where none)."""
     out = {}
     for name, module in lora_modules(model).items():
-        a, b = module.canonical()
+        a, b = module.canonical(grads)
         out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = a, b
     device = next(iter(out.values())).device if out else torch.device("cpu")
     for group, split in _spread_over():

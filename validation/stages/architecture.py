@@ -42,6 +42,7 @@ class ArchitectureStage(Stage):
     name = "architecture"
     title = "The config's architecture, layer layout and LoRA target modules match the handler declaration."
     order = 20
+    sharded = True
     requires = ("dependencies",)
     needs = (TRAINING_MODEL,)  # built only where the config asks for a sliding window or rope scaling
 

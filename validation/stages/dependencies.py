@@ -14,6 +14,7 @@ class DependenciesStage(Stage):
     name = "dependencies"
     title = "Installed packages meet the handler's version floors; the GDN kernel path is known."
     order = 10
+    sharded = True
 
     def run(self, ctx: CheckContext) -> StageResult:
         problems: list[str] = []

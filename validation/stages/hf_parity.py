@@ -29,6 +29,7 @@ class HfParityStage(Stage):
     name = "hf_parity"
     title = "Megatron logits match the fp32 transformers reference on the same weights and tokens."
     order = 30
+    sharded = True
     requires = ("weights",)
     packages = MEGATRON_PACKAGES
     needs = (TRAINING_MODEL, HF_REFERENCES)
@@ -76,6 +77,12 @@ class HfParityStage(Stage):
             f"MTP: {ctx.layout.mtp_layers} layer(s) in the config, {mtp_built} built "
             f"(runtime policy disable_mtp_for_training={ctx.spec.runtime.disable_mtp_for_training})",
         ]
+        if ctx.parallel is not None:
+            details.insert(
+                1,
+                f"sharded {ctx.parallel.name} over {ctx.parallel.model_parallel} ranks (check --parallel): each rank "
+                "holds its shard, the logits are the whole model's",
+            )
         if moe:
             details.append(
                 f"routing: {metrics['router_flips']} top-k flips and {metrics['router_near_ties']} near ties in "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -68,6 +69,7 @@ class LoraCoverageStage(Stage):
     name = "lora_coverage"
     title = "Every declared target gets a trainable LoRA; the codec round trip is exact; adapter logits match."
     order = 40
+    sharded = True
     requires = ("hf_parity",)
     packages = MEGATRON_PACKAGES
     needs = (TRAINING_MODEL, LORA, HF_REFERENCES, REFERENCE_LOWP_ERROR)
@@ -92,9 +94,11 @@ class LoraCoverageStage(Stage):
         from model_support.core import api
         from model_support.core.codecs import load_peft_adapter
         from model_support.core.megatron.compare import closeness, tolerance_note
+        from model_support.core.megatron.dist import sum_over_ranks, union_over_ranks
         from model_support.core.megatron.forward import logits
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
+        from model_support.core.megatron.names import global_name
         from model_support.validation.megatron_session import long_row, megatron_model, random_tokens
         from model_support.validation.reference_rows import compare_with_reference
 
@@ -106,7 +110,9 @@ class LoraCoverageStage(Stage):
         long_tokens = random_tokens(ctx, (1, long_row(ctx)), offset=5)
         report, identity, identity_limits, identity_details = self._apply_lora_checked(ctx, long_tokens)
         expected = expected_modules(spec, layout)
-        got = {key: len(names) for key, names in report.per_target.items()}
+        # Each rank wrapped the modules it holds (its experts under expert parallelism): the whole model's count.
+        every = union_over_ranks({f"{key}\0{name}" for key, names in report.per_target.items() for name in names})
+        got = Counter(entry.split("\0")[0] for entry in every)
         missing = sum(max(expected[k] - got.get(k, 0), 0) for k in expected)
         details = [f"{k}: {got.get(k, 0)}/{n} modules" for k, n in expected.items()]
 
@@ -119,9 +125,21 @@ class LoraCoverageStage(Stage):
         labels = tokens[:, 1:].flatten().to(out.device)
         torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), labels).backward()
         lora_params = {n: p for n, p in model.named_parameters() if ".lora_" in n}
-        unrouted = self._exercise_unrouted_experts(model, lora_params, ctx.seed)
-        zero_grad = sorted(n for n, p in lora_params.items() if p.grad is None or not p.grad.abs().sum() > 0)
-        trainable_base = sorted(n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n)
+        unrouted = sum_over_ranks(self._exercise_unrouted_experts(model, lora_params, ctx.seed))
+        factors = {
+            f"{name}.lora_{which}.weight": factor
+            for name, module in lora_modules(model).items()
+            for which, factor in (("A", module.lora_A.weight), ("B", module.lora_B.weight))
+        }
+        n_factors = len(union_over_ranks(factors))
+        zero_grad = sorted(
+            union_over_ranks({n for n, p in factors.items() if p.grad is None or not p.grad.abs().sum() > 0})
+        )
+        trainable_base = sorted(
+            union_over_ranks(
+                {global_name(model, n) for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n}
+            )
+        )
         model.zero_grad(set_to_none=True)
         if unrouted:
             details.append(
@@ -158,9 +176,9 @@ class LoraCoverageStage(Stage):
         with torch.no_grad():
             effect = closeness(logits(model, tokens), logits_without_lora(model, tokens))["rel_l2"]
         metrics = {
-            "lora_modules": len(lora_modules(model)),
+            "lora_modules": len(union_over_ranks(lora_modules(model))),
             "missing_lora_modules": missing,
-            "lora_params": len(lora_params),
+            "lora_params": n_factors,
             "zero_grad_params": len(zero_grad),
             "trainable_base_params": len(trainable_base),
             "codec_layout_err": layout_err,
@@ -269,7 +287,8 @@ class LoraCoverageStage(Stage):
     def _exercise_unrouted_experts(
         self, model: torch.nn.Module, lora_params: dict[str, torch.nn.Parameter], seed: int
     ) -> int:
-        """Run every expert whose LoRA got no gradient (no token routed to it) on random tokens, backward."""
+        """Run every expert of this rank whose LoRA got no gradient (no token routed to it) on random tokens,
+        backward; how many there were."""
         modules = dict(model.named_modules())
         experts = sorted(
             {
@@ -295,15 +314,24 @@ class LoraCoverageStage(Stage):
         One decoder layer at a time, so no second copy of the model is held.
         """
         from model_support.core.codecs import PEFT_PREFIX, hf_layers_prefix, stacked_target
+        from model_support.core.megatron.dist import max_over_ranks
+        from model_support.core.megatron.lora import LoraLinear, canonical_weight
+        from model_support.core.megatron.names import global_name
 
         by_layer: dict[str, dict[str, torch.Tensor]] = {}
-        for name, param in built.model.named_parameters():
-            module = name.removesuffix(".weight")
-            if name.endswith(".weight") and module.rsplit(".", 1)[-1] in _FUSED and ".lora_" not in name:
-                module = module.replace(".base", "")
-                fake = by_layer.setdefault(module.split(".")[2], {})
-                fake[f"{module}.lora_B.weight"] = param.detach()
-                fake[f"{module}.lora_A.weight"] = torch.zeros(1, param.shape[1])
+        modules = dict(built.model.named_modules())
+        for name, module in modules.items():
+            if name.rsplit(".", 1)[-1] not in _FUSED:
+                continue
+            linear = module.base if isinstance(module, LoraLinear) else module
+            if not isinstance(getattr(linear, "weight", None), torch.Tensor):
+                continue
+            # The whole weight (a tensor-parallel rank holds a shard), named as in the single-rank model.
+            weight = canonical_weight(name, linear, modules[name.rsplit(".", 1)[0]])
+            name = global_name(built.model, name)
+            fake = by_layer.setdefault(name.split(".")[2], {})
+            fake[f"{name}.lora_B.weight"] = weight
+            fake[f"{name}.lora_A.weight"] = torch.zeros(1, weight.shape[1])
         worst = 0.0
         prefix = PEFT_PREFIX + hf_layers_prefix(ctx.config)
         stacked = getattr(ctx.spec.codec, "target_parameters", lambda _config: ())(ctx.config)
@@ -323,7 +351,7 @@ class LoraCoverageStage(Stage):
                 # The model holds the checkpoint's values in its own dtype: compare in that dtype (exact).
                 expected = built.checkpoint[hf_name].to(value.device, value.dtype)
                 worst = max(worst, (expected.float() - value.float()).abs().max().item())
-        return worst
+        return max_over_ranks(worst)
 
 
 def _differing_in_train_mode(model: torch.nn.Module, tokens: torch.Tensor) -> list[str]:

@@ -137,7 +137,7 @@ def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Te
     entropy, each MoE router replaying the rows' ``routing`` (:func:`reference_run`'s)."""
     from model_support.core import api
     from model_support.core.megatron.compare import replayed_routing
-    from model_support.core.megatron.lora import lora_modules
+    from model_support.core.megatron.lora import lora_state
 
     trainer = ctx.state.get(TRAINING_MODEL)
     model = trainer.module
@@ -155,11 +155,9 @@ def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Te
     model.zero_grad(set_to_none=True)
     with replayed_routing(model, [torch.cat(calls) for calls in zip(*routing, strict=True)], batch=1):
         api.forward_backward(trainer, row, loss_fn, position_ids=positions)
-    grads = {}
-    for name, module in lora_modules(model).items():
-        for which, factor in (("A", module.lora_A.weight), ("B", module.lora_B.weight)):
-            grad = torch.zeros_like(factor) if factor.grad is None else factor.grad
-            grads[f"{name}.lora_{which}.weight"] = grad.detach().double().cpu()
+    # The whole model's gradients on every rank (every data-parallel replica ran the same row).
+    api.reduce_lora_grads(trainer)
+    grads = {name: grad.double().cpu() for name, grad in lora_state(model, grads=True).items()}
     model.zero_grad(set_to_none=True)
     return GradientRun(torch.cat(losses).double().cpu(), grads)
 
@@ -220,6 +218,7 @@ class LoraGradientsStage(Stage):
     name = "lora_gradients"
     title = "The loss and every LoRA factor's gradient match the fp32 transformers model carrying the same adapter."
     order = 45
+    sharded = True
     requires = ("lora_coverage",)
     packages = MEGATRON_PACKAGES
     needs = (TRAINING_MODEL, LORA)

@@ -32,6 +32,7 @@ class PackedPositionIdsStage(Stage):
     name = "packed_position_ids"
     title = "Packed rows (position ids restarting at 0) give the same logits and gradients as separate runs."
     order = 50
+    sharded = True
     requires = ("hf_parity",)
     needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR)
     packages = MEGATRON_PACKAGES

@@ -187,7 +187,7 @@ class ParallelParityStage(Stage):
 
         A rank that died without writing its error (a signal: gloo aborts on mismatched tensors) is named by the
         launcher (``job.failure``): that line becomes the rank's error for the run it failed in."""
-        from model_support.validation.parallel_worker import FAILURE_FILE
+        from model_support.validation.ranks import FAILURE_FILE
 
         out = self._out(ctx)
         deadline = time.monotonic() + self.timeout_s

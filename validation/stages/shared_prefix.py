@@ -31,6 +31,7 @@ class SharedPrefixStage(Stage):
     name = "shared_prefix"
     title = "A prompt packed once with its completions gives the logits, loss and gradients of the unshared rows."
     order = 52
+    sharded = True
     requires = ("hf_parity",)
     needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR)
     packages = MEGATRON_PACKAGES

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
 from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
 from model_support.validation.megatron_session import LORA, TRAINING_MODEL
@@ -37,6 +38,7 @@ class TrainabilityStage(Stage):
     name = "trainability"
     title = "LoRA optimizer steps cut the loss of a small yes/no task; base weights stay unchanged."
     order = 60
+    sharded = True
     requires = ("hf_parity",)
     needs = (TRAINING_MODEL, LORA, TOKENIZER, CHAT_RENDERER)
     packages = MEGATRON_PACKAGES
@@ -49,14 +51,13 @@ class TrainabilityStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
 
         from model_support.core.layout import text_config
+        from model_support.core.megatron.dist import union_over_ranks
         from model_support.core.megatron.forward import logits
-        from model_support.core.megatron.lora import lora_modules
+        from model_support.core.megatron.lora import fresh_lora, lora_state, reduce_lora_grads
 
         model = ctx.state.get(TRAINING_MODEL).module
         ctx.state.get(LORA)
-        torch.manual_seed(ctx.seed)
-        for module in lora_modules(model).values():
-            module.reset_parameters()
+        fresh_lora(model, seed=ctx.seed)  # the same adapter whatever the layout the model is sharded in
         tokenizer = ctx.tokenizer()
         encoded_answers = {a: tokenizer.encode(a, add_special_tokens=False) for a in ("yes", "no")}
         if not all(encoded_answers.values()):
@@ -94,13 +95,14 @@ class TrainabilityStage(Stage):
                 if learned or step == self.max_steps:
                     break
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, self.clip_norm)
+                reduce_lora_grads(model)
+                clip_whole_grad_norm(model, params, self.clip_norm)
                 optimizer.step()
                 warmup.step()
         finally:
             model.eval()
             optimizer.zero_grad(set_to_none=True)
-        changed = changed_base(model, base)
+        changed = sorted(union_over_ranks(changed_base(model, base)))
         metrics = {
             "steps": len(losses) - 1,
             "peak_lr": lr,
@@ -109,7 +111,8 @@ class TrainabilityStage(Stage):
             "loss_ratio": losses[-1] / losses[0],
             "final_accuracy": accuracy,
             "base_params_changed": len(changed),
-            "trainable_params": sum(p.numel() for p in params),
+            "trainable_params": sum(t.numel() for t in lora_state(model).values())
+            + sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n),
         }
         details = [
             f"peak lr {lr:.3g} (hidden {tcfg.hidden_size}, {tcfg.num_hidden_layers} layers), {self.warmup_steps} "
@@ -120,6 +123,43 @@ class TrainabilityStage(Stage):
             details.append(f"base weights changed: {', '.join(changed[:4])}")
         summary = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) - 1} steps, accuracy {accuracy:.2f}"
         return self.judge(metrics, self.thresholds, summary, details, ctx=ctx)
+
+
+def clip_whole_grad_norm(model: torch.nn.Module, params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, whatever ranks the model is sharded over
+    (this rank's norm alone would clip each rank differently): every rank's gradients scaled alike. Written here
+    because megatron-core's ``clip_grad_norm_fp32`` knows its own parameters' sharding, not the LoRA factors'.
+
+    A factor split over a tensor-parallel group (the column-parallel B, the row-parallel A) adds its shards' squares
+    over that group; a replicated one counts once. Experts add up over the expert-parallel group, layers over the
+    pipeline group. Any other trainable parameter (a base weight left trainable) counts as this rank holds it."""
+    from megatron.core import parallel_state
+
+    from model_support.core.megatron.lora import lora_modules
+
+    device = params[0].device
+    # [dense split, dense whole, expert split, expert whole]: squared norms
+    squares = torch.zeros(4, dtype=torch.float64, device=device)
+    for module in lora_modules(model).values():
+        for factor, split in ((module.lora_A.weight, not module.column), (module.lora_B.weight, module.column)):
+            if factor.grad is not None:
+                squares[2 * module.expert + (not split or module.tp == 1)] += factor.grad.double().square().sum()
+    for name, param in model.named_parameters():
+        if param.grad is not None and ".lora_" not in name:
+            squares[1] += param.grad.double().square().sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squares[0:1], group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(squares[2:3], group=parallel_state.get_expert_tensor_parallel_group())
+        experts = squares[2:].sum(dim=0, keepdim=True)
+        dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+        total = squares[:2].sum(dim=0, keepdim=True) + experts
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    else:
+        total = squares.sum(dim=0, keepdim=True)
+    scale = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0).float()
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.device))
 
 
 def peak_lr(hidden_size: int, num_layers: int) -> float:

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from model_support.core.checkpoint import INDEX, SINGLE, open_weights, stored_tensors, weight_files
+from model_support.core.megatron.dist import my_share, sum_over_ranks, union_over_ranks
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
 
@@ -23,6 +24,7 @@ class WeightsStage(Stage):
     name = "weights"
     title = "Every checkpoint tensor is finite and no weight matrix is all zeros."
     order = 25
+    sharded = True
     requires = ("architecture",)
     thresholds: ClassVar[dict[str, float]] = {"nonfinite_tensors": 0, "zero_matrices": 0}
 
@@ -33,7 +35,8 @@ class WeightsStage(Stage):
         if not files:
             return self.failed(f"no safetensors weights in {ctx.model_dir} (no {SINGLE} or {INDEX})")
         by_file: dict[Path, list[str]] = {path: [] for path in files}
-        for key, (path, _, _) in stored_tensors(ctx.model_dir).items():
+        # Under check --parallel each rank reads its share of the tensors, and the counts are added up.
+        for key, (path, _, _) in my_share(sorted(stored_tensors(ctx.model_dir).items())):
             by_file[path].append(key)
         nonfinite: list[str] = []
         zero: list[str] = []
@@ -49,6 +52,8 @@ class WeightsStage(Stage):
                         nonfinite.append(f"{key} ({bad} of {tensor.numel()} not finite) in {path.name}")
                     elif tensor.dim() >= 2 and tensor.numel() and not bool(tensor.any()):
                         zero.append(f"{key} in {path.name}")
+        tensors, elements = sum_over_ranks(tensors), sum_over_ranks(elements)
+        nonfinite, zero = sorted(union_over_ranks(nonfinite)), sorted(union_over_ranks(zero))
         metrics = {
             "files": len(files),
             "tensors": tensors,
