@@ -28,7 +28,7 @@ from model_support.core.tiny import (
     layer_types,
     model_class,
     period,
-    randomize_zero_init,
+    randomize_constant_init,
     set_depth,
     set_dtype,
     set_experts,
@@ -226,7 +226,7 @@ def build_replica(
             with target:
                 model = model_cls(config)
                 redraw_nonfinite(model)
-                randomize_zero_init(model, float(getattr(config.get_text_config(), "initializer_range", 0.02)))
+                randomize_constant_init(model, float(getattr(config.get_text_config(), "initializer_range", 0.02)))
         finally:
             torch.set_default_dtype(default_dtype)
         parameters = sum(p.numel() for p in model.parameters())

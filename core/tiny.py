@@ -302,7 +302,7 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0, spec: H
     config = transformers.AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    randomize_zero_init(model, float(getattr(text_config(config), "initializer_range", 0.02)))
+    randomize_constant_init(model, float(getattr(text_config(config), "initializer_range", 0.02)))
     # A tiny model is one small shard: transformers' "Writing model shards" bar would only interrupt the output.
     shown = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
@@ -314,15 +314,29 @@ def build_tiny(raw_config: dict[str, Any], out_dir: Path, seed: int = 0, spec: H
     return out_dir
 
 
-def randomize_zero_init(model: Any, std: float) -> None:
-    """Give persistent floating-point buffers (a router's score-correction bias) and matrices (gpt-oss's stacked
-    expert biases) still at an all-zero init random values like the other parameters', so a check can tell the
-    checkpoint's value from one never loaded (and the weights stage, which refuses all-zero matrices, passes)."""
+# The spread of a vector drawn around its constant init: gains 1 +- 0.2, so a gain on the wrong channel, head or
+# layer moves the output by O(10%), far beyond any comparison's tolerance.
+GAIN_SPREAD = 0.2
+
+
+def randomize_constant_init(model: Any, std: float) -> None:
+    """Draw at random what transformers initialises to a constant, so a check can tell every value from a misplaced
+    or never loaded one: vectors (norm gains, zero-centred gains, biases, GDN's ``dt_bias``) around their constant
+    ``c``, ``c + 0.2 max(|c|, 1) N(0, 1)``; persistent floating-point buffers (a router's score-correction bias) and
+    matrices (gpt-oss's stacked expert biases) still all zero, ``N(0, std)`` as the other parameters'. With gains
+    all equal a permuted or exchanged gain would be invisible; an all-zero matrix would fail the weights stage."""
     import torch
 
     saved = model.state_dict(keep_vars=True).keys()
-    zero_matrices = ((name, p) for name, p in model.named_parameters() if p.dim() >= 2)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, tensor in (*model.named_buffers(), *zero_matrices):
-            if name in saved and tensor.is_floating_point() and not tensor.any():
+        for name, tensor in (*model.named_buffers(), *params.items()):
+            if name not in saved or not tensor.is_floating_point() or not tensor.numel():
+                continue
+            first = float(tensor.flatten()[0])
+            if not bool((tensor == first).all()):
+                continue  # drawn at random already
+            if tensor.dim() == 1 and name in params:
+                tensor.add_(GAIN_SPREAD * max(abs(first), 1.0) * torch.randn_like(tensor))
+            elif first == 0:
                 tensor.normal_(0.0, std)

@@ -48,6 +48,20 @@ def test_replica_is_small_runs_and_keeps_the_architecture(handler, tiny_model_di
     assert reference["architectures"] == [type(model).__name__]
 
 
+@pytest.mark.parametrize("handler", HANDLER_NAMES)
+def test_no_tensor_of_a_replica_is_constant(handler, tiny_model_dir):
+    """Norm gains and biases drawn around their init (1 +- 0.2, 0 +- 0.2): a gain on the wrong channel, head or
+    layer changes the output (the selftest's q-norm-gain-permuted is caught so); no tensor is one value repeated."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tiny_model_dir(handler) / "model.safetensors"))
+    floating = {k: t for k, t in tensors.items() if t.is_floating_point() and t.numel() > 1}
+    constant = [k for k, t in floating.items() if (t == t.flatten()[0]).all()]
+    assert constant == []
+    gains = [t for k, t in tensors.items() if k.endswith("layernorm.weight") or k.endswith("norm.weight")]
+    assert gains and all(0.02 < float(g.float().std()) < 0.5 for g in gains)
+
+
 def test_replicas_are_reproducible(tiny_model_dir, tmp_path):
     from model_support.core.tiny import build_tiny
 

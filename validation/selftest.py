@@ -223,6 +223,17 @@ def _router_rolled() -> AbstractContextManager[Any]:
     return _model_mutated(roll)
 
 
+def _q_norm_gain_permuted() -> AbstractContextManager[Any]:
+    """Layer 0's query RMSNorm gain with its channels reversed (as a head-dim-major reshape misplaces them): invisible
+    on a replica whose gains are all ones."""
+
+    def permute(model: torch.nn.Module) -> None:
+        norm = model.decoder.layers[0].self_attention.q_layernorm
+        norm.weight.copy_(norm.weight.flip(0))
+
+    return _model_mutated(permute)
+
+
 def _gdn_q_k_swapped() -> AbstractContextManager[Any]:
     def swap(model: torch.nn.Module) -> None:
         gdn = model.decoder.layers[0].self_attention
@@ -599,6 +610,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "qwen3.5", "shared_prefix", _completion_conv_restarts),
     Mutation("router-rows-rolled", "one MoE router's expert rows off by one", "qwen3-moe", "hf_parity",
              _router_rolled),
+    Mutation("q-norm-gain-permuted", "layer 0's query RMSNorm gain with its channels reversed in Megatron", "qwen3",
+             "hf_parity", _q_norm_gain_permuted),
     Mutation("gdn-q-k-swapped", "one GDN layer's in_proj q and k rows exchanged in Megatron", "qwen3.5", "hf_parity",
              _gdn_q_k_swapped),
     Mutation("served-q-halves-swapped", "pushed weights: layer 0's query heads in the wrong order", "qwen3",
