@@ -137,6 +137,21 @@ def long_row(ctx: Any) -> int:
     return long_row_length(ctx.config, ctx.layout, floor=floor)
 
 
+def crossing(ctx: Any, length: int, prefix: str = "long_row_") -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """(metrics, thresholds, details) of the stage's own check that the row it compares for the model's
+    length-dependent structures (:func:`~model_support.core.layout.length_structures`), ``length`` tokens as the stage
+    ran it, crosses every one: ``<prefix>structures_uncrossed`` held to 0. A row cut short (a cap, a harness bug)
+    would compare nothing of the structure it stops before, and pass."""
+    from model_support.core.layout import length_structures
+
+    missed = [
+        f"{name} (from {n} tokens)" for name, n in length_structures(ctx.config, ctx.layout).items() if length < n
+    ]
+    key = f"{prefix}structures_uncrossed"
+    details = [f"the {length}-token row does not cross {', '.join(missed)}"] if missed else []
+    return {key: len(missed)}, {key: 0}, details
+
+
 def random_tokens(ctx: Any, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
     """Token ids drawn from the model's vocabulary with the run's seed."""
     from model_support.core.layout import text_config

@@ -234,6 +234,34 @@ def _q_norm_gain_permuted() -> AbstractContextManager[Any]:
     return _model_mutated(permute)
 
 
+def _long_row_capped() -> AbstractContextManager[Any]:
+    """The stages' long row capped at 64 tokens: it no longer crosses a GDN chunk boundary, a window or where rope
+    scaling starts, so nothing the comparisons hold to transformers sees those structures."""
+    from model_support.validation import megatron_session
+
+    long_row = megatron_session.long_row
+    return mock.patch.object(megatron_session, "long_row", lambda ctx: min(long_row(ctx), 64))
+
+
+def _layout_without_result() -> AbstractContextManager[Any]:
+    """The ranks of a tensor-parallel layout leave with status 0 before writing its result, and without an error (a
+    crash the launcher takes for a clean exit)."""
+    import os
+
+    from megatron.core import parallel_state
+
+    from model_support.core import api
+
+    apply = api.apply_lora
+
+    def leaving(model: Any, **kw: Any) -> Any:
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            os._exit(0)
+        return apply(model, **kw)
+
+    return mock.patch.object(api, "apply_lora", leaving)
+
+
 def _gdn_q_k_swapped() -> AbstractContextManager[Any]:
     def swap(model: torch.nn.Module) -> None:
         gdn = model.decoder.layers[0].self_attention
@@ -612,6 +640,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              _router_rolled),
     Mutation("q-norm-gain-permuted", "layer 0's query RMSNorm gain with its channels reversed in Megatron", "qwen3",
              "hf_parity", _q_norm_gain_permuted),
+    Mutation("long-row-capped", "the stages' long row capped at 64 tokens (no GDN chunk boundary crossed)", "qwen3.5",
+             "hf_parity", _long_row_capped),
+    Mutation("layout-without-result", "a layout's ranks end without a result file or an error", "qwen3",
+             "parallel_parity", _layout_without_result, layouts=("tp2", "pp2")),
     Mutation("gdn-q-k-swapped", "one GDN layer's in_proj q and k rows exchanged in Megatron", "qwen3.5", "hf_parity",
              _gdn_q_k_swapped),
     Mutation("served-q-halves-swapped", "pushed weights: layer 0's query heads in the wrong order", "qwen3",

@@ -157,6 +157,11 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleL
     return found[0]
 
 
+# Attention features of a text config that transformers' SDPA path ignores, which its eager path applies: a reference
+# with one of them set runs the family's eager attention (honoured, not dropped).
+SDPA_IGNORES = ("attn_logit_softcapping",)
+
+
 class StreamedReference:
     """A transformers model that holds at most one decoder layer's weights at a time (see module docstring)."""
 
@@ -173,6 +178,11 @@ class StreamedReference:
             seed_triton_cache()
         with _parameters_on_meta():
             self.model = _model_class(config).from_config(config, dtype=dtype).eval()
+        ignored = [f for f in SDPA_IGNORES if getattr(text_config(config), f, None)]
+        if ignored and self.model.config._attn_implementation != "eager":
+            # transformers' SDPA attention drops these (it has no soft-cap): the family's eager attention applies them.
+            self.model.set_attn_implementation("eager")
+        self.attention = self.model.config._attn_implementation + (f" ({', '.join(ignored)})" if ignored else "")
         for module in self.model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:

@@ -77,3 +77,43 @@ def test_the_oracle_runs_the_familys_torch_gated_norm(tiny_model_dir) -> None:
         assert type(module.norm).__name__.endswith("RMSNormGated") and type(module.norm) is not FusedRMSNormGated
         assert module.norm.weight.is_meta and module.norm.variance_epsilon == module.layer_norm_epsilon
         assert module.chunk_gated_delta_rule.__name__ == "torch_chunk_gated_delta_rule"
+
+
+def _gemma2_softcapped(tmp_path) -> tuple[object, torch.nn.Module]:
+    """A tiny Gemma 2 checkpoint whose attention soft-capping (0.5) changes every score: its config as a check loads
+    it, and transformers' eager model of it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attn_logit_softcapping=0.5, final_logit_softcapping=None,
+        query_pre_attn_scalar=16, sliding_window=8, architectures=["Gemma2ForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    return AutoConfig.from_pretrained(tmp_path), eager
+
+
+@pytest.mark.parametrize("rule", ["kept", "planted: SDPA kept, soft-capping dropped"])
+def test_the_reference_applies_attention_soft_capping(rule, tmp_path, monkeypatch) -> None:
+    """transformers' SDPA attention drops Gemma 2's soft-capping; the streamed reference runs the family's eager
+    attention where a config sets it, and so computes the checkpoint's logits (bit for bit on the CPU). Without the
+    rule (planted) the reference computes another model's, O(1) away."""
+    config, eager = _gemma2_softcapped(tmp_path)
+    if rule != "kept":
+        monkeypatch.setattr(hf_reference, "SDPA_IGNORES", ())
+    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    reference = hf_reference.StreamedReference(tmp_path, config, torch.device("cpu"))
+    with torch.no_grad():
+        error = (reference.forward(tokens).logits - eager(tokens).logits).abs().max().item()
+    if rule == "kept":
+        assert reference.attention == "eager (attn_logit_softcapping)"
+        assert error == 0.0
+    else:
+        assert error > 1.0

@@ -38,7 +38,13 @@ class HfParityStage(Stage):
 
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core.megatron.compare import tolerance_note
-        from model_support.validation.megatron_session import hf_reference, megatron_model, parity_rows, worst_lowp
+        from model_support.validation.megatron_session import (
+            crossing,
+            hf_reference,
+            megatron_model,
+            parity_rows,
+            worst_lowp,
+        )
         from model_support.validation.reference_rows import compare_with_reference
 
         built = megatron_model(ctx)
@@ -56,6 +62,9 @@ class HfParityStage(Stage):
             metrics |= found
             thresholds |= limits
             lowps.append(lowp)
+        found, limits, missed = crossing(ctx, length)
+        metrics |= found
+        thresholds |= limits
         # Later stages hold same-model comparisons of short and long rows to transformers' own rounding distance.
         ctx.state.set(REFERENCE_LOWP_ERROR, worst_lowp(lowps))
         mtp_built = sum(1 for n, _ in built.model.named_modules() if n.startswith("mtp.layers.") and n.count(".") == 2)
@@ -69,10 +78,11 @@ class HfParityStage(Stage):
             thresholds["mtp_layers_built"] = 0
         details = [
             f"model under test: {built.numerics.describe(bool(ctx.layout.gdn_layers))}",
-            "reference: transformers, float32, streamed one decoder layer at a time on the same device"
-            + self._oracle_kernels(hf_reference(ctx).torch_gdn_layers),
+            "reference: transformers, float32, streamed one decoder layer at a time on the same device, "
+            f"{hf_reference(ctx).attention} attention" + self._oracle_kernels(hf_reference(ctx).torch_gdn_layers),
             f"rows: {self.batch} x {self.seq_len} tokens, and 1 x {length} ({self._structures(ctx)})",
             tolerance_note(dtype),
+            *missed,
             f"bridge {type(built.bridge).__name__}, {len(built.mapped)} Megatron parameters filled by its mappings",
             f"MTP: {ctx.layout.mtp_layers} layer(s) in the config, {mtp_built} built "
             f"(runtime policy disable_mtp_for_training={ctx.spec.runtime.disable_mtp_for_training})",

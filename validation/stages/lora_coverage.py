@@ -99,7 +99,7 @@ class LoraCoverageStage(Stage):
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
         from model_support.core.megatron.names import global_name
-        from model_support.validation.megatron_session import long_row, megatron_model, random_tokens
+        from model_support.validation.megatron_session import crossing, long_row, megatron_model, random_tokens
         from model_support.validation.reference_rows import compare_with_reference
 
         spec, layout = ctx.spec, ctx.layout
@@ -168,11 +168,16 @@ class LoraCoverageStage(Stage):
         thresholds = dict(self.thresholds)
         compared: dict[str, object] = {}
         # The short batch, and a row across every length-dependent structure of the model (GDN chunks, windows).
-        length = long_row(ctx)
-        for prefix, rows in (("adapter_logits_", tokens), ("long_adapter_logits_", random_tokens(ctx, (1, length), 4))):
+        long_rows = random_tokens(ctx, (1, long_row(ctx)), 4)
+        length = long_rows.shape[1]
+        for prefix, rows in (("adapter_logits_", tokens), ("long_adapter_logits_", long_rows)):
             found, limits, _ = compare_with_reference(ctx, built, rows, prefix, adapter=deltas)
             compared |= found
             thresholds |= limits
+        found, limits, missed = crossing(ctx, length)
+        compared |= found
+        thresholds |= limits
+        details += missed
         with torch.no_grad():
             effect = closeness(logits(model, tokens), logits_without_lora(model, tokens))["rel_l2"]
         metrics = {

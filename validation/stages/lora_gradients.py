@@ -234,7 +234,7 @@ class LoraGradientsStage(Stage):
         from model_support.core.megatron.dist import device
         from model_support.core.megatron.hf_reference import adapter_deltas, whole_reference
         from model_support.core.megatron.lora import lora_state
-        from model_support.validation.megatron_session import long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import crossing, long_row, random_tokens, with_random_lora
         from model_support.validation.stages.lora_coverage import logits_without_lora
 
         built = with_random_lora(ctx, offset=ADAPTER_SEED)
@@ -242,10 +242,11 @@ class LoraGradientsStage(Stage):
         state = lora_state(model)
         adapter_dir = api.export_adapter(ctx.state.get(TRAINING_MODEL), ctx.workdir / "lora-gradients-adapter")
         deltas = adapter_deltas(adapter_dir)
-        length = long_row(ctx)
+        long_rows = random_tokens(ctx, (1, long_row(ctx)), offset=LONG_ROW_SEED)
+        length = long_rows.shape[1]
         lengths = packed_lengths(length)
         cases = {
-            "long": [random_tokens(ctx, (1, length), offset=LONG_ROW_SEED)],
+            "long": [long_rows],
             "packed": [random_tokens(ctx, (1, n), offset=PACKED_SEED + i) for i, n in enumerate(lengths)],
         }
 
@@ -277,6 +278,10 @@ class LoraGradientsStage(Stage):
         }
         thresholds: dict[str, float] = {}
         details = [f"adapter written to {adapter_dir}, merged into the transformers model's checkpoint tensors"]
+        found, limits, missed = crossing(ctx, length)
+        metrics |= found
+        thresholds |= limits
+        details += missed
         for case, rows in cases.items():
             ours, ref = megatron_run(ctx, rows, routings[case]), refs[case]
             if set(ours.grads) != set(ref.grads):

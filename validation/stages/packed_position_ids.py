@@ -47,7 +47,7 @@ class PackedPositionIdsStage(Stage):
             same_model_tolerances,
             worst_closeness,
         )
-        from model_support.validation.megatron_session import long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import crossing, long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=2)
@@ -85,6 +85,9 @@ class PackedPositionIdsStage(Stage):
             "leak_control_rel_l2": worst_closeness(unpacked, separate, bounds)["rel_l2"],
         }
         thresholds = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
+        found, limits, missed = crossing(ctx, max(s.shape[1] for s in seqs), prefix="long_sequence_")
+        metrics |= found
+        thresholds |= limits
         why = "the packed-row comparison cannot tell sequences apart"
         control = metrics["leak_control_rel_l2"]
         return self.blind(
@@ -94,5 +97,6 @@ class PackedPositionIdsStage(Stage):
             thresholds,
             f"{len(lengths)} packed sequences ({metrics['lengths']} tokens): logits rel L2 "
             f"{metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
+            missed,
             ctx=ctx,
         )

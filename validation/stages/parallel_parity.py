@@ -236,6 +236,7 @@ class ParallelParityStage(Stage):
         from safetensors import safe_open
         from safetensors.torch import load_file
 
+        from model_support.validation.megatron_session import crossing
         from model_support.validation.parallel_worker import LR
 
         layouts, details = self._layouts(ctx)
@@ -276,6 +277,11 @@ class ParallelParityStage(Stage):
             "row_tokens": row_shape[1],
         }
         details.insert(1, f"step rows: {row_shape[0]} x {row_shape[1]} tokens")
+        found, limits, missed = crossing(ctx, row_shape[1], prefix="step_row_")
+        metrics |= found
+        thresholds |= limits
+        worst |= {key: float(value) for key, value in found.items()}
+        details += missed
         worst["grads_rounded_to_bf16"] = float(oracle[0]["grads_rounded_to_bf16"])
         failed = 0
         passes = [("", oracle, lambda result: compare(oracle[0], result, LR))]

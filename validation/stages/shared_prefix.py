@@ -47,7 +47,7 @@ class SharedPrefixStage(Stage):
             worst_closeness,
         )
         from model_support.core.megatron.rows import RowLayout
-        from model_support.validation.megatron_session import long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import crossing, long_row, random_tokens, with_random_lora
         from model_support.validation.row_runs import routing_alone, run_alone, run_packed
 
         built = with_random_lora(ctx, offset=3)
@@ -107,6 +107,9 @@ class SharedPrefixStage(Stage):
             **self._through_api(ctx, prompt, completions, routing),
         }
         thresholds = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
+        found, limits, missed = crossing(ctx, prompt.shape[1], prefix="prompt_")
+        metrics |= found
+        thresholds |= limits
         # The trainer's GRPO scoring call against its per-sequence one: held to the logits' limits.
         thresholds |= {
             k.replace("logits_", "api_group_logprobs_", 1): v for k, v in thresholds.items() if k.startswith("logits_")
@@ -122,6 +125,7 @@ class SharedPrefixStage(Stage):
             thresholds,
             f"prompt {size} + {len(self.completions)} completions in {row.shape[1]} tokens (unshared "
             f"{metrics['unshared_tokens']}): logits rel L2 {metrics['logits_rel_l2']:.2e} ({metrics['dtype']})",
+            missed,
             ctx=ctx,
         )
 
