@@ -14,9 +14,10 @@ import re
 
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
+from model_support.validation.megatron_session import HF_REFERENCES
 from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER
 from model_support.validation.stage import Stage, StageResult
-from model_support.validation.stages.merged_serving import cannot_serve, logprob_tolerance
+from model_support.validation.stages.merged_serving import calibrated_tolerance, cannot_serve, logprob_tolerance
 
 CONVERSATION = [
     {"role": "system", "content": "You answer with one word."},
@@ -35,7 +36,7 @@ class ChatTemplateRolloutStage(Stage):
     title = "Chat-template rendering, server generation and token ids round-trip between tokenizer and server."
     order = 90
     requires = ("merged_serving",)
-    needs = (*POLICY, SERVER, POLICY_SERVER, TOKENIZER, CHAT_RENDERER)
+    needs = (*POLICY, SERVER, POLICY_SERVER, TOKENIZER, CHAT_RENDERER, HF_REFERENCES)
     max_tokens = 12
 
     def prepare(self, ctx: CheckContext) -> None:
@@ -87,7 +88,8 @@ class ChatTemplateRolloutStage(Stage):
             "completion_tokens": len(completion),
         }
         details = [f"rendered prompt: {tokenizer.decode(local)!r}", f"completion: {text!r} ids {completion}"]
-        tol = logprob_tolerance(server.options.dtype)
+        tol, own = self._rescore_limit(ctx, prompt_ids + completion, server.options.dtype)
+        metrics |= own
         thresholds = {
             "prompt_ids_mismatch": 0,
             "tokenize_ids_mismatch": 0,
@@ -97,3 +99,22 @@ class ChatTemplateRolloutStage(Stage):
         return self.judge(
             metrics, thresholds, f"{len(local)} prompt + {len(completion)} completion ids round-trip", details, ctx=ctx
         )
+
+    @staticmethod
+    def _rescore_limit(ctx: CheckContext, sequence: list[int], dtype: str) -> tuple[float, dict[str, float]]:
+        """The limit of the server's log-probs of its completion as generated against as rescored, and what it was
+        derived from: two runs of one model in ``dtype`` (decode, then prefill), each within
+        ``calibrated_tolerance``'s measured part of the fp32 reference (``LOWP_TOLERANCE_FACTOR`` times transformers'
+        own distance in that dtype on the same tokens), so at most twice that apart; never less than the fixed
+        ``logprob_tolerance`` (the whole limit in fp32)."""
+        from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR
+        from model_support.validation import serving_session as session
+
+        floor = logprob_tolerance(dtype)
+        if dtype == "float32":
+            return floor, {}
+        adapter, _ = session.policy_adapter(ctx)
+        _, own = calibrated_tolerance(
+            ctx, adapter, [sequence], session.trainer_logprobs(ctx, adapter, [sequence]), dtype
+        )
+        return max(floor, 2 * LOWP_TOLERANCE_FACTOR * max(own.values())), own
