@@ -352,13 +352,11 @@ def check(
                 report = run_checks(ctx, stages_to_run, on_result=_print_progress)
             else:
                 from model_support.validation.parallel_check import refuse_memory, run_sharded
-                from model_support.validation.runner import new_report
 
                 refuse_memory(ctx, sharded)
                 checking += f"; sharded {sharded.name} over {sharded.model_parallel} ranks"
                 err.print(checking, markup=False, highlight=False, soft_wrap=True)
-                report = new_report(ctx)
-                report.results = run_sharded(
+                report = run_sharded(
                     ctx, stages_to_run, on_result=_print_progress, prefer=parse_preferences(",".join(prefer or []))
                 )
         finally:

@@ -13,12 +13,14 @@ and skips the stages left.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +30,9 @@ from model_support.core.spec import HandlerSpec
 from model_support.validation import ranks
 from model_support.validation.context import CheckContext
 from model_support.validation.stage import Stage, StageResult
+
+if TYPE_CHECKING:
+    from model_support.validation.runner import Report
 
 RESULTS = "results.jsonl"
 # The kinds of parallelism the stages' forwards see whole logits through on every rank (``forward.logits``);
@@ -65,9 +70,7 @@ def weights_per_rank(ctx: CheckContext, layout: ParallelLayout) -> int:
     bits = 32 if (ctx.dtype or ("bf16" if torch.cuda.is_available() else "fp32")) == "fp32" else 16
     total = 0.0
     for name, (_path, shape, _dtype) in stored_tensors(ctx.model_dir).items():
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         if ".experts." in name:
             numel /= layout.expert_parallel * layout.expert_tensor_parallel
         elif len(shape) > 1:
@@ -125,22 +128,20 @@ def run_sharded(
     stages: Sequence[type[Stage]],
     on_result: Callable[[StageResult], None],
     prefer: Mapping[str, str] | None = None,
-) -> list[StageResult]:
-    """Run ``stages`` in the ranks of ``ctx.parallel`` (refused first: :func:`refuse_layout`,
-    :func:`refuse_memory`); the results in order,
-    each given to ``on_result`` as rank 0 hands it over. ``prefer``: the check's handler preferences (architecture ->
-    handler).
+) -> Report:
+    """Run ``stages`` in the ranks of ``ctx.parallel`` (which the caller has held to :func:`refuse_layout` and
+    :func:`refuse_memory`): the run's report, each result given to ``on_result`` as rank 0 hands it over.
+    ``prefer``: the check's handler preferences (architecture -> handler).
 
     The ranks are forked by a new process (``python -m model_support.validation.parallel_check``), which builds the
     run's context again from ``ranks/job.json`` and computes nothing before it forks: a fork of a process whose
     OpenMP threads have run (this one built a tiny replica) deadlocks in its first parallel tensor operation. The
     job dies with this process however it ends."""
     from model_support.core.serving.process import ManagedProcess
+    from model_support.validation.runner import new_report
     from model_support.validation.selftest import active_mutation
 
     assert ctx.parallel is not None
-    refuse_layout(ctx.spec, ctx.parallel)
-    refuse_memory(ctx, ctx.parallel)
     jobdir = (ctx.workdir / "ranks").absolute()
     jobdir.mkdir(parents=True, exist_ok=True)
     job = {
@@ -158,7 +159,8 @@ def run_sharded(
         "mutation": active_mutation(),  # `model-support selftest` injects its bug into the ranks too
     }
     (jobdir / "job.json").write_text(json.dumps(job))
-    results: list[StageResult] = []
+    report = new_report(ctx)
+    results = report.results
     path = jobdir / RESULTS
 
     def collect() -> None:
@@ -182,7 +184,7 @@ def run_sharded(
         for result in _ended(stages[len(results) :], jobdir, code, ctx.parallel.model_parallel):
             results.append(result)
             on_result(result)
-    return results
+    return report
 
 
 def _ended(left: Sequence[type[Stage]], jobdir: Path, code: int, world: int) -> list[StageResult]:

@@ -78,8 +78,8 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     from model_support.core.parallel import ParallelLayout
     from model_support.core.registry import load_registry
     from model_support.validation.context import CheckContext
-    from model_support.validation.parallel_check import run_sharded
-    from model_support.validation.runner import new_report, plan, run_checks
+    from model_support.validation.parallel_check import refuse_layout, refuse_memory, run_sharded
+    from model_support.validation.runner import plan, run_checks
     from model_support.validation.stage_registry import load_stages
 
     registry = registry or load_registry(prefer=dict(request.prefer))
@@ -110,9 +110,9 @@ def run_check(request: CheckRequest, workdir: Path, registry: Registry | None = 
     )
     if ctx.parallel is None:
         return run_checks(ctx, stages)
-    report = new_report(ctx)
-    report.results = run_sharded(ctx, stages, on_result=lambda _result: None, prefer=dict(request.prefer))
-    return report
+    refuse_layout(ctx.spec, ctx.parallel)
+    refuse_memory(ctx, ctx.parallel)
+    return run_sharded(ctx, stages, on_result=lambda _result: None, prefer=dict(request.prefer))
 
 
 def report_text(report: Report, problems: Sequence[str] = ()) -> str:

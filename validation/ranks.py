@@ -28,21 +28,15 @@ FAILURE_FILE = "job.failure"  # the launcher's word on which rank failed first
 
 
 class JobFailed(Exception):
-    """A rank of the job exited non-zero (``rank``: the first; ``line``: what the launcher saw of it)."""
+    """A rank of the job exited non-zero (``line``: what the launcher saw of the first)."""
 
-    def __init__(self, rank: int, line: str) -> None:
+    def __init__(self, line: str) -> None:
         super().__init__(line)
-        self.rank, self.line = rank, line
+        self.line = line
 
 
-def launch(
-    world: int,
-    target: Callable[..., None],
-    args: tuple[Any, ...],
-    out_dir: Path,
-    poll: Callable[[], None] | None = None,
-) -> None:
-    """Run ``target(*args)`` in ``world`` forked ranks; ``poll`` is called about every second while they run.
+def launch(world: int, target: Callable[..., None], args: tuple[Any, ...], out_dir: Path) -> None:
+    """Run ``target(*args)`` in ``world`` forked ranks, until every one has ended.
 
     Raises :class:`JobFailed` when a rank exits non-zero (the others ended as described above), after writing
     ``out_dir/job.failure`` (JSON: ``rank``, ``line``): a rank killed by a signal wrote no error of its own.
@@ -59,17 +53,13 @@ def launch(
         _rank, args=(world, port, published, target, args), nprocs=world, start_method="fork", join=False
     )
     try:
-        while not context.join(timeout=None if poll is None else 1.0, grace_period=GRACE_S):
-            if poll is not None:
-                poll()
+        while not context.join(grace_period=GRACE_S):
+            pass
     except ProcessException as exc:
         line = f"rank {exc.error_index}: {str(exc).splitlines()[0]}"
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / FAILURE_FILE).write_text(json.dumps({"rank": exc.error_index, "line": line}))
-        raise JobFailed(exc.error_index, line) from None
-    finally:
-        if poll is not None:
-            poll()
+        raise JobFailed(line) from None
 
 
 _STORE: list[dist.TCPStore] = []  # rank 0's rendezvous store, held for the job's life
