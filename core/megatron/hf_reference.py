@@ -16,14 +16,18 @@ the model under test can be fed the same router inputs and replay the same routi
 block hands it to its experts module (``experts(hidden_states, top_k_index, top_k_weights)``, transformers'
 common MoE interface), so it does not matter whether the router or the block itself chooses the experts.
 
-For gradients, :func:`whole_reference` loads every layer the same way and keeps them (the whole model in memory,
-autograd through it), and :func:`checkpoint_gradients` names its weights' gradients after the checkpoint tensors.
+For gradients, :func:`streamed_gradients` streams the layers too: every row's hidden state at each layer boundary is
+kept (forward, one layer loaded at a time), the loss's gradient at the last layer's output is taken through the
+final norm and head, and each layer is loaded again in reverse order to recompute its rows and back-propagate
+through them (the same MoE routing replayed). Peak memory is still one layer (with its activations for one row)
+plus the rows' boundary states, so the gradients of a checkpoint larger than the GPU can be taken on it.
+:func:`checkpoint_gradients` names each layer's weight gradients after the checkpoint tensors.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,7 +214,9 @@ class StreamedReference:
         state = {}
         for key, tensor in self.checkpoint.read(names):
             delta = self._deltas.get(key)
-            state[key] = tensor if delta is None else tensor.to(self.device, torch.float32) + delta.on(self.device)
+            # On the device first: transformers' conversions (experts stacked, gate and up joined) run there.
+            tensor = tensor.to(self.device)
+            state[key] = tensor if delta is None else tensor.float() + delta.on(self.device)
         load = LoadStateDictConfig(
             dtype=self.dtype, weight_mapping=self._conversions, device_map={"": str(self.device)}
         )
@@ -281,43 +287,169 @@ class StreamedReference:
         return ReferenceOutput(out.logits.float(), captures)
 
 
-def whole_reference(
+@dataclass
+class StreamedGradients:
+    """What :func:`streamed_gradients` returns for each case (a named list of rows)."""
+
+    losses: dict[str, torch.Tensor]  # each row's per-token losses, the case's rows in order (float64, CPU)
+    grads: dict[str, dict[str, torch.Tensor]]  # what ``keep`` made of the case's checkpoint gradients, every layer's
+    routing: dict[str, list[list[torch.Tensor]]]  # per row, the top-k indices each MoE block ran, in layer order
+
+
+class _Stop(Exception):
+    """Raised by the last decoder layer's stand-in once every layer's inputs are captured: the head need not run."""
+
+
+def streamed_gradients(
     model_dir: Path,
     config: Any,
     device: torch.device,
-    dtype: torch.dtype = torch.float32,
-    adapter: dict[str, LoraDelta] | None = None,
-) -> torch.nn.Module:
-    """The whole transformers model in memory (every layer loaded as :class:`StreamedReference` loads one, with
-    ``adapter`` merged), for autograd through it: gradients of its weights name checkpoint tensors through
-    :func:`checkpoint_gradients`. Its MoE routing can be recorded or replayed with :func:`routing_hooks`."""
+    dtype: torch.dtype,
+    adapter: dict[str, LoraDelta],
+    cases: dict[str, list[torch.Tensor]],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    keep: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    replay: dict[str, list[list[torch.Tensor]]] | None = None,
+) -> StreamedGradients:
+    """Each row ([1, S]) of each case alone through the transformers model carrying ``adapter``, the gradient of the
+    sum of ``loss(logits [1, S, V], row)`` (per-token losses) over the case's rows with respect to the decoder
+    layers' checkpoint tensors, streamed one layer at a time (module docstring). ``keep`` turns one layer's
+    checkpoint gradients (keyed as :func:`checkpoint_gradients` keys them) into what the caller keeps of them (e.g.
+    LoRA factor gradients: a layer's weight gradients are as large as its weights); the case's results of every
+    layer are merged. ``replay``: per case, each row's routing to take instead of the routers' choice."""
     with timing.phase("oracle"):
-        return _whole_reference(model_dir, config, device, dtype, adapter)
+        return _StreamedBackward(model_dir, config, device, dtype, adapter).run(cases, loss, keep, replay or {})
 
 
-def _whole_reference(
-    model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype, adapter: dict[str, LoraDelta] | None
-) -> torch.nn.Module:
-    reference = StreamedReference(model_dir, config, device, dtype)
-    # Below fp32 too: fla's Gated DeltaNet backward refuses Hopper with Triton < 3.7.1, transformers' torch path runs.
-    _torch_kernels(reference.model)
-    reference._deltas = reference._checked(adapter)
-    for index in range(len(reference.layers)):
-        reference._enter_layer(index)
-    # Gradients for the decoder layers' weights (where an adapter lives), none for the embedding and head.
-    for param in reference.model.parameters():
-        param.requires_grad_(False)
-    for param in reference.layers.parameters():
-        param.requires_grad_(True)
-    for layer in reference.layers:
-        # Each layer's activations are recomputed in the backward. Hand-written because transformers checkpoints only
-        # in training mode, where routers may draw jitter noise.
-        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
-    if reference.model.config._attn_implementation == "sdpa":
-        reference.model.set_attn_implementation(_register_repeated_kv_sdpa())
-    elif reference.model.config._attn_implementation == "eager":
-        reference.model.set_attn_implementation(_register_query_blocked_eager())
-    return reference.model
+class _StreamedBackward:
+    """The state of one :func:`streamed_gradients` run: a :class:`StreamedReference` of its own (its GDN layers on
+    transformers' torch path, its attention holding O(S) memory in the backward), and each row's layer inputs."""
+
+    def __init__(self, model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype, adapter: Any):
+        self.ref = StreamedReference(model_dir, config, device, dtype)
+        # Below fp32 too: fla's Gated DeltaNet backward refuses Hopper with Triton < 3.7.1; transformers' torch path
+        # runs.
+        _torch_kernels(self.ref.model)
+        self.ref._deltas = self.ref._checked(adapter)
+        if self.ref.model.config._attn_implementation == "sdpa":
+            self.ref.model.set_attn_implementation(_register_repeated_kv_sdpa())
+        elif self.ref.model.config._attn_implementation == "eager":
+            self.ref.model.set_attn_implementation(_register_query_blocked_eager())
+        for param in self.ref.model.parameters():  # the embedding and head take no gradient
+            param.requires_grad_(False)
+        self.layers = self.ref.layers
+        self.blocks = [len(_moe_blocks(layer)) for layer in self.layers]
+
+    @contextmanager
+    def _forwards(self, stand_in: Callable[[int], Callable[..., Any]]) -> Iterator[None]:
+        """Every decoder layer's forward replaced by ``stand_in(index)`` while open."""
+        for index, layer in enumerate(self.layers):
+            layer.forward = stand_in(index)
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                del layer.forward
+
+    def _inputs(self, tokens: torch.Tensor) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Each decoder layer's call arguments for ``tokens`` (the first the hidden state: the embedding's output for
+        every layer here, since each stand-in passes its input on); masks and position embeddings are the model's."""
+        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+        def capture(index: int) -> Callable[..., Any]:
+            def stand_in(*args: Any, **kwargs: Any) -> Any:
+                calls.append((args, kwargs))
+                if index == len(self.layers) - 1:
+                    raise _Stop
+                return args[0]
+
+            return stand_in
+
+        with self._forwards(capture), contextlib.suppress(_Stop):
+            self.ref.model(input_ids=tokens.to(self.ref.device), use_cache=False)
+        if len(calls) != len(self.layers) or any(not args for args, _ in calls):
+            raise ReferenceError("the decoder layers are not called once each with the hidden state first")
+        return calls
+
+    def _layer(self, index: int, hidden: torch.Tensor, call: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor:
+        args, kwargs = call
+        out = self.layers[index](hidden, *args[1:], **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise ReferenceError(f"decoder layer {index} returns {type(out).__name__}, not the hidden state")
+        return out
+
+    def _routes(self, index: int, routing: list[torch.Tensor]) -> list[torch.Tensor]:
+        start = sum(self.blocks[:index])
+        return routing[start : start + self.blocks[index]]
+
+    def _head(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """The logits of ``last`` (the last layer's output) through the model's final norm and head."""
+
+        def stand_in(index: int) -> Callable[..., Any]:
+            return lambda *args, **_kwargs: last if index == len(self.layers) - 1 else args[0]
+
+        with self._forwards(stand_in):
+            return self.ref.model(input_ids=tokens.to(self.ref.device), use_cache=False).logits
+
+    def run(
+        self,
+        cases: dict[str, list[torch.Tensor]],
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        keep: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+        replay: dict[str, list[list[torch.Tensor]]],
+    ) -> StreamedGradients:
+        rows = [(case, i, tokens) for case, case_rows in cases.items() for i, tokens in enumerate(case_rows)]
+        calls = {(case, i): self._inputs(tokens) for case, i, tokens in rows}
+        # Each row's hidden state entering each layer, and after the last (forward, no autograd).
+        states = {key: [call[0][0][0]] for key, call in calls.items()}
+        routing: dict[tuple[str, int], list[torch.Tensor]] = {key: [] for key in calls}
+        exact = self.ref.dtype == torch.float32
+        with exact_fp32(exact), torch.no_grad():
+            for index in range(len(self.layers)):
+                self.ref._enter_layer(index)
+                for case, i, _ in rows:
+                    key, captures = (case, i), []
+                    chosen = None if case not in replay else self._routes(index, replay[case][i])
+                    with routing_hooks(self.layers[index], captures, chosen):
+                        states[key].append(self._layer(index, states[key][index], calls[key][index]))
+                    # What the forward ran: the replayed routing, or the routers' own choice.
+                    routing[key] += chosen if chosen is not None else [c.indices for c in captures]
+                _drop_weights(self.layers[index])
+        # The loss's gradient at the last layer's output, through the final norm and head.
+        losses: dict[tuple[str, int], torch.Tensor] = {}
+        upstream: dict[tuple[str, int], torch.Tensor] = {}
+        with exact_fp32(exact):
+            for case, i, tokens in rows:
+                last = states[(case, i)][-1].detach().requires_grad_(True)
+                per_token = loss(self._head(tokens, last), tokens)
+                per_token.sum().backward()
+                losses[(case, i)], upstream[(case, i)] = per_token.detach().double().cpu(), last.grad
+        # Each layer again, last first: recompute each row on the forward's routing and back-propagate through it.
+        grads: dict[str, dict[str, torch.Tensor]] = {case: {} for case in cases}
+        with exact_fp32(exact):
+            for index in reversed(range(len(self.layers))):
+                self.ref._enter_layer(index)
+                layer = self.layers[index]
+                layer.requires_grad_(True)
+                for case in cases:
+                    for case_, i, _ in rows:
+                        if case_ != case:
+                            continue
+                        key = (case, i)
+                        hidden = states[key][index].detach().requires_grad_(True)
+                        with routing_hooks(layer, None, self._routes(index, routing[key])):
+                            out = self._layer(index, hidden, calls[key][index])
+                        out.backward(upstream[key])
+                        upstream[key] = hidden.grad
+                        states[key].pop()  # this layer's output: its gradient is taken
+                    grads[case] |= keep(checkpoint_gradients(self.ref.model))
+                    layer.zero_grad(set_to_none=True)
+                _drop_weights(layer)
+        return StreamedGradients(
+            {case: torch.cat([losses[(case, i)] for i in range(len(cases[case]))]) for case in cases},
+            grads,
+            {case: [routing[(case, i)] for i in range(len(cases[case]))] for case in cases},
+        )
 
 
 _REPEATED_KV_SDPA = "model_support_repeated_kv_sdpa"

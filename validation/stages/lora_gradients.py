@@ -53,26 +53,29 @@ def packed_lengths(length: int) -> tuple[int, int, int]:
 
 
 def factor_gradients(weight_grads: dict[str, torch.Tensor], deltas: dict[str, LoraDelta]) -> dict[str, torch.Tensor]:
-    """PEFT-named gradients of each adapter module's factors, from the gradient ``G`` of the checkpoint tensor it is
-    merged into: ``W' = W + s B A`` gives ``dL/dA = s B^T G`` and ``dL/dB = s G A^T`` (float64, on the CPU)."""
+    """PEFT-named gradients of the factors of each adapter module whose checkpoint tensor ``weight_grads`` holds the
+    gradient ``G`` of: ``W' = W + s B A`` gives ``dL/dA = s B^T G`` and ``dL/dB = s G A^T`` (float64 on ``G``'s
+    device, returned on the CPU)."""
     from model_support.core.codecs import PEFT_PREFIX, stack_experts
     from model_support.core.megatron.hf_reference import StackedLoraDelta
 
     out = {}
     for key, delta in deltas.items():
-        grad = weight_grads[key].detach().double().cpu()
+        if key not in weight_grads:
+            continue
+        grad = weight_grads[key].detach().double()
         if isinstance(delta, StackedLoraDelta):  # expert e's [in, out] slice holds (s B_e A_e)^T: transposed G_e
-            per_expert = [
-                (delta.scale * b.double().cpu().T @ g.T, delta.scale * g.T @ a.double().cpu().T)
-                for g, (a, b) in zip(grad, delta.factors(), strict=True)
-            ]
+            per_expert = []
+            for g, (a, b) in zip(grad, delta.factors(), strict=True):
+                a, b = a.to(g.device, torch.float64), b.to(g.device, torch.float64)
+                per_expert.append(((delta.scale * b.T @ g.T).cpu(), (delta.scale * g.T @ a.T).cpu()))
             grad_a, grad_b = stack_experts(per_expert)
             out[f"{delta.peft_module}.lora_A.weight"], out[f"{delta.peft_module}.lora_B.weight"] = grad_a, grad_b
             continue
-        a, b = delta.lora_a.double().cpu(), delta.lora_b.double().cpu()
+        a, b = delta.lora_a.to(grad.device, torch.float64), delta.lora_b.to(grad.device, torch.float64)
         module = PEFT_PREFIX + key.removesuffix(".weight")
-        out[f"{module}.lora_A.weight"] = delta.scale * b.T @ grad
-        out[f"{module}.lora_B.weight"] = delta.scale * grad @ a.T
+        out[f"{module}.lora_A.weight"] = (delta.scale * b.T @ grad).cpu()
+        out[f"{module}.lora_B.weight"] = (delta.scale * grad @ a.T).cpu()
     return out
 
 
@@ -102,39 +105,32 @@ def megatron_gradients(
     return out
 
 
-def reference_run(
-    model: torch.nn.Module, rows: list[torch.Tensor], replay: list[list[torch.Tensor]] | None = None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[list[torch.Tensor]]]:
-    """Each row ([1, S]) alone through the whole transformers model, forward and backward of its summed token cross
-    entropy: (the per-token losses, the checkpoint tensors' gradients, each row's top-k indices per MoE block). With
-    ``replay`` (one such routing per row) the MoE blocks take it instead of choosing."""
-    from model_support.core import timing
-    from model_support.core.megatron.hf_reference import checkpoint_gradients, routing_hooks
-    from model_support.core.precision import exact_fp32
+def reference_runs(
+    ctx: Any,
+    dtype: torch.dtype,
+    deltas: dict[str, LoraDelta],
+    cases: dict[str, list[torch.Tensor]],
+    replay: dict[str, list[list[torch.Tensor]]] | None = None,
+) -> tuple[dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]], dict[str, list[list[torch.Tensor]]]]:
+    """Each case's rows ([1, S] each) alone through the transformers model in ``dtype`` carrying the adapter, the
+    gradient of their summed token cross entropy streamed one layer at a time: per case (its per-token losses, its
+    PEFT factor gradients), and each case's routing per row (or takes ``replay``'s)."""
+    from model_support.core.megatron.dist import device
+    from model_support.core.megatron.hf_reference import streamed_gradients
 
-    weight = model.get_input_embeddings().weight  # (a vision tower's parameters stay on the meta device)
-    model.zero_grad(set_to_none=True)
-    losses, routing = [], []
-    for i, tokens in enumerate(rows):
-        captures: list[Any] = []
-        with timing.phase("oracle"), routing_hooks(model, captures, None if replay is None else replay[i]):
-            with exact_fp32(weight.dtype == torch.float32):
-                out = model(input_ids=tokens.to(weight.device), use_cache=False).logits
-            loss = token_losses(out[0], tokens[0])
-            # The forward's routing: the backward recomputes each layer (whole_reference), and the hooks see it again.
-            routing.append([capture.indices for capture in captures])
-            loss.sum().backward()
-        losses.append(loss.detach().double().cpu())
-    # Views of the parameters' gradients (no second copy of them): set_to_none leaves them to the caller.
-    grads = {key: grad.detach() for key, grad in checkpoint_gradients(model).items()}
-    model.zero_grad(set_to_none=True)
-    return torch.cat(losses), grads, routing
+    def loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return token_losses(logits[0], tokens[0])
+
+    run = streamed_gradients(
+        ctx.model_dir, ctx.config, device(), dtype, deltas, cases, loss, lambda g: factor_gradients(g, deltas), replay
+    )
+    return {case: (run.losses[case], run.grads[case]) for case in cases}, run.routing
 
 
 def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Tensor]]) -> GradientRun:
     """The rows packed into one row (position ids restarting at 0 at each; a single row runs unpacked) through the
     trainer's step (``api.forward_backward``: megatron-core's schedule), the loss each row's summed token cross
-    entropy, each MoE router replaying the rows' ``routing`` (:func:`reference_run`'s)."""
+    entropy, each MoE router replaying the rows' ``routing`` (:func:`reference_runs`')."""
     from model_support.core import api
     from model_support.core.megatron.compare import replayed_routing
     from model_support.core.megatron.lora import lora_state
@@ -195,15 +191,17 @@ class LoraGradientsStage(Stage):
     ``api.forward_backward``; transformers runs each sequence alone and sums). Every token's loss and every LoRA
     factor's gradient, A and B, must agree.
 
-    The reference is the whole fp32 transformers model in memory, autograd through all of it: the gradient ``G`` of
-    each adapted checkpoint tensor (transformers' own save-path conversion splits fused expert parameters back into
-    the checkpoint's per-expert tensors) gives the PEFT factors' gradients, ``s B^T G`` and ``s G A^T``; the codec
-    maps them into Megatron's layout (a fused module's A gradient is the sum over the HF modules sharing it, its B
-    gradient the rows of theirs). PEFT's own LoRA layers are not used: PEFT 0.21 cannot place per-expert adapters
-    on transformers 5's fused Qwen3.5-MoE experts. MoE routers replay the reference's routing, so a near tie
-    cannot flip. Its attention runs the memory-efficient SDPA kernel, or for a family on eager attention (gpt-oss,
-    whose sinks SDPA cannot take) the family's own eager attention a block of queries at a time: each layer's backward
-    holds O(S) attention memory (a block of queries: at most 256 MiB of scores), not [heads, S, S] scores.
+    The reference is the fp32 transformers model streamed one decoder layer at a time, forward and then backward
+    (``streamed_gradients``: one layer's weights in memory, so a checkpoint larger than the GPU is checked on it,
+    each rank of a sharded check doing the same): the gradient ``G`` of each adapted checkpoint tensor
+    (transformers' own save-path conversion splits fused expert parameters back into the checkpoint's per-expert
+    tensors) gives the PEFT factors' gradients, ``s B^T G`` and ``s G A^T``; the codec maps them into Megatron's
+    layout (a fused module's A gradient is the sum over the HF modules sharing it, its B gradient the rows of
+    theirs). PEFT's own LoRA layers are not used: PEFT 0.21 cannot place per-expert adapters on transformers 5's
+    fused Qwen3.5-MoE experts. MoE routers replay the reference's routing, so a near tie cannot flip. Its attention
+    runs the memory-efficient SDPA kernel, or for a family on eager attention (gpt-oss, whose sinks SDPA cannot
+    take) the family's own eager attention a block of queries at a time: each layer's backward holds O(S) attention
+    memory (a block of queries: at most 256 MiB of scores), not [heads, S, S] scores.
 
     fp32: max |diff| / max |reference| at most 1e-4 for the per-token losses (``loss_rel_err``) and for the worst
     factor's gradient (``grad_worst_factor_rel_err``, named in ``grad_worst_factor``; a factor no token reached
@@ -231,8 +229,7 @@ class LoraGradientsStage(Stage):
     def run(self, ctx: CheckContext) -> StageResult:
         from model_support.core import api
         from model_support.core.megatron.compare import closeness, replayed_routing, tolerances
-        from model_support.core.megatron.dist import device
-        from model_support.core.megatron.hf_reference import adapter_deltas, whole_reference
+        from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import lora_state
         from model_support.validation.megatron_session import crossing, long_row, random_tokens, with_random_lora
         from model_support.validation.stages.lora_coverage import logits_without_lora
@@ -250,25 +247,17 @@ class LoraGradientsStage(Stage):
             "packed": [random_tokens(ctx, (1, n), offset=PACKED_SEED + i) for i, n in enumerate(lengths)],
         }
 
-        def in_megatron_layout(losses: torch.Tensor, weight_grads: dict[str, torch.Tensor]) -> GradientRun:
-            return GradientRun(losses, megatron_gradients(ctx, state, factor_gradients(weight_grads, deltas)))
+        def in_megatron_layout(run: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> GradientRun:
+            losses, peft = run
+            return GradientRun(losses, megatron_gradients(ctx, state, peft))
 
         # The fp32 reference, then (below fp32) transformers' own run in the model's dtype on the same routing.
-        reference = whole_reference(ctx.model_dir, ctx.config, device(), torch.float32, deltas)
-        refs, routings = {}, {}
-        for case, rows in cases.items():
-            loss, grads, routings[case] = reference_run(reference, rows)
-            refs[case] = in_megatron_layout(loss, grads)
-            del grads  # the reference's weight gradients: as large as its weights
-        del reference
+        runs, routings = reference_runs(ctx, torch.float32, deltas, cases)
+        refs = {case: in_megatron_layout(run) for case, run in runs.items()}
         lows: dict[str, GradientRun] = {}
         if dtype != torch.float32:
-            low = whole_reference(ctx.model_dir, ctx.config, device(), dtype, deltas)
-            for case, rows in cases.items():
-                loss, grads, _ = reference_run(low, rows, replay=routings[case])
-                lows[case] = in_megatron_layout(loss, grads)
-                del grads
-            del low
+            runs, _ = reference_runs(ctx, dtype, deltas, cases, replay=routings)
+            lows = {case: in_megatron_layout(run) for case, run in runs.items()}
 
         metrics: dict[str, Any] = {
             "dtype": built.numerics.dtype_name,
