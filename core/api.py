@@ -124,6 +124,7 @@ def build_model(
     parallel: ParallelLayout | None = None,
     dtype: torch.dtype | None = None,
     timeout: timedelta | None = None,
+    recompute: bool = False,
 ) -> TrainingModel:
     """Build the language model of ``model_dir`` in megatron-core and load its weights through megatron-bridge.
 
@@ -134,6 +135,10 @@ def build_model(
     Under a launcher each rank builds on the GPU its ``LOCAL_RANK`` names. ``timeout`` bounds every collective of
     the process groups this call sets up (a peer that never arrives ends the wait with an error instead of a hang);
     a caller that initialised torch.distributed itself keeps its own timeout.
+
+    ``recompute``: in training mode (``model.module.train()``) each decoder layer keeps only its input for the
+    backward and runs its forward again there (megatron-core's full activation recompute, one layer at a time):
+    activation memory of one layer instead of every layer's, for long rows of a deep checkpoint.
     """
     from model_support.core.megatron.builder import build_megatron_model, choose_numerics
     from model_support.core.megatron.dist import init_parallel
@@ -157,6 +162,7 @@ def build_model(
         mtp=mtp,
         numerics=numerics,
         layer_spec=handler.spec.megatron_layer_spec,
+        recompute=recompute,
     )
     return TrainingModel(handler, source.directory, config, layout, built)
 

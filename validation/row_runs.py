@@ -51,14 +51,16 @@ def routing_of(model: torch.nn.Module, tokens: torch.Tensor) -> Iterator[None]:
 def run_alone(
     model: torch.nn.Module, rows: Sequence[torch.Tensor], loss_of: RowLoss, routing: Sequence[Sequence[torch.Tensor]]
 ) -> RowRun:
-    """Each row alone, forward and backward of its loss, the gradients summed; ``routing[router][row]`` replayed."""
+    """Each row alone, forward and backward of its loss in training mode, the gradients summed;
+    ``routing[router][row]`` replayed."""
     from model_support.core.megatron.compare import replayed_routing
     from model_support.core.megatron.forward import logits
+    from model_support.validation.megatron_session import training_mode
 
     model.zero_grad(set_to_none=True)
     outs, total = [], 0.0
     for i, tokens in enumerate(rows):
-        with replayed_routing(model, [calls[i] for calls in routing], batch=1):
+        with replayed_routing(model, [calls[i] for calls in routing], batch=1), training_mode(model):
             out = logits(model, tokens)[0]
             loss = loss_of(out, i)
             loss.backward()
@@ -80,12 +82,14 @@ def run_packed(
     ``control_position_ids`` (default: one sequence, no packing)."""
     from model_support.core.megatron.compare import replayed_routing
     from model_support.core.megatron.forward import logits
+    from model_support.validation.megatron_session import training_mode
 
     model.zero_grad(set_to_none=True)
     with replayed_routing(model, routing, batch=1):
-        out = logits(model, row, position_ids)[0]
-        loss = loss_of(out)
-        loss.backward()
+        with training_mode(model):
+            out = logits(model, row, position_ids)[0]
+            loss = loss_of(out)
+            loss.backward()
         run = RowRun([out.detach()], loss.item(), _take_grads(model))
         with torch.no_grad():
             control = logits(model, row, control_position_ids)[0]

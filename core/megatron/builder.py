@@ -230,11 +230,16 @@ def _configure(
     gdn: bool,
     mtp: bool,
     layer_spec: Callable[..., Any] | None = None,
+    recompute: bool = False,
 ) -> None:
     for name in _FUSIONS_OFF:
         setattr(provider, name, False)
     provider.use_cpu_initialization = numerics.device.type != "cuda"
     provider.perform_initialization = False
+    if recompute:  # in training mode each decoder layer keeps only its input and runs again in the backward
+        provider.recompute_granularity = "full"
+        provider.recompute_method = "uniform"
+        provider.recompute_num_layers = 1
     provider.params_dtype = numerics.dtype
     provider.bf16 = numerics.dtype == torch.bfloat16
     provider.fp16 = False
@@ -278,12 +283,14 @@ def build_megatron_model(
     mtp: bool = False,
     numerics: Numerics | None = None,
     layer_spec: str | None = None,
+    recompute: bool = False,
 ) -> MegatronModel:
     """Build the language model of ``model_dir`` in megatron-core and load its weights through the bridge.
 
     ``mtp=False`` (training with a handler whose runtime policy disables MTP) builds no multi-token
     prediction layers whatever the config declares. ``numerics`` defaults to :func:`choose_numerics`.
     ``layer_spec`` is a handler's ``megatron_layer_spec`` (default: the local spec of :mod:`.spec`).
+    ``recompute``: megatron-core's full activation recompute, one layer at a time (in training mode).
     """
     import_bridge()
     parallel = parallel or ParallelLayout()
@@ -299,7 +306,7 @@ def build_megatron_model(
     provider = model_bridge.provider_bridge(shim)
     gdn = provider.experimental_attention_variant == "gated_delta_net"
     spec_fn = load_layer_spec(layer_spec) if layer_spec else None
-    _configure(provider, parallel, numerics, gdn=gdn, mtp=mtp, layer_spec=spec_fn)
+    _configure(provider, parallel, numerics, gdn=gdn, mtp=mtp, layer_spec=spec_fn, recompute=recompute)
     provider.finalize()
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     torch.manual_seed(0)
@@ -320,6 +327,9 @@ def build_megatron_model(
     ignored = unimplemented(tcfg, chunks)
     if ignored:  # a model that computes the checkpoint's function on short rows only must not train
         raise UnimplementedFeatureError("; ".join(ignored))
+    if recompute:
+        for chunk in chunks:
+            _embedding_output_takes_grad(chunk)
     built = MegatronModel(chunks, provider, model_bridge, checkpoint, parallel, numerics)
     _load_weights(built)
     unread = _unread_tensors(built, mtp)
@@ -376,6 +386,15 @@ def _te_attention_env_kept() -> Iterator[None]:
                 os.environ[name] = value
 
 
+def _embedding_output_takes_grad(chunk: torch.nn.Module) -> None:
+    """Mark the embedding's output as needing a gradient. megatron-core's recompute is an autograd function over
+    each layer's inputs: with the embedding frozen (LoRA) none of them needs a gradient, so the layers' adapters
+    would get none (what transformers' ``enable_input_require_grads`` does for its own checkpointing)."""
+    embedding = getattr(chunk, "embedding", None)
+    if embedding is not None:
+        embedding.register_forward_hook(lambda _m, _a, out: out.requires_grad_(torch.is_grad_enabled()))
+
+
 @contextlib.contextmanager
 def _cpu_as_current_device() -> Iterator[None]:
     """Let megatron-core code that assumes a GPU run on the CPU: ``torch.cuda.current_device()`` names the CPU,
@@ -385,8 +404,12 @@ def _cpu_as_current_device() -> Iterator[None]:
     expert-bias buffers at construction, RotaryEmbedding / YarnRotaryEmbedding's inverse frequencies and
     TopKRouter's weight in their forward, pipeline communication buffers; its schedules count tokens in
     ``torch.zeros(device="cuda")`` tensors, and a tied embedding's pipeline copy is synced with ``.cuda()``.
+    Activation recompute saves and restores the CUDA RNG states around each recomputed layer: only the CPU's here.
     """
+    from megatron.core.tensor_parallel import random as tp_random
+
     real_device, real_cuda, real_zeros = torch.cuda.current_device, torch.Tensor.cuda, torch.zeros
+    real_rng = tp_random._get_all_rng_states, tp_random._set_all_rng_states
 
     def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return real_zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
@@ -394,10 +417,13 @@ def _cpu_as_current_device() -> Iterator[None]:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.zeros = zeros
+    tp_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
+    tp_random._set_all_rng_states = lambda cpu, _cuda, _tracker: torch.set_rng_state(cpu)
     try:
         yield
     finally:
         torch.cuda.current_device, torch.Tensor.cuda, torch.zeros = real_device, real_cuda, real_zeros
+        tp_random._get_all_rng_states, tp_random._set_all_rng_states = real_rng
 
 
 def on_cpu_device(where: torch.device) -> contextlib.AbstractContextManager[None]:

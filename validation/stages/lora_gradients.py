@@ -134,6 +134,7 @@ def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Te
     from model_support.core import api
     from model_support.core.megatron.compare import replayed_routing
     from model_support.core.megatron.lora import lora_state
+    from model_support.validation.megatron_session import training_mode
 
     trainer = ctx.state.get(TRAINING_MODEL)
     model = trainer.module
@@ -149,7 +150,8 @@ def megatron_run(ctx: Any, rows: list[torch.Tensor], routing: list[list[torch.Te
         return per_token.sum()
 
     model.zero_grad(set_to_none=True)
-    with replayed_routing(model, [torch.cat(calls) for calls in zip(*routing, strict=True)], batch=1):
+    replay = [torch.cat(calls) for calls in zip(*routing, strict=True)]
+    with replayed_routing(model, replay, batch=1), training_mode(model):
         api.forward_backward(trainer, row, loss_fn, position_ids=positions)
     # The whole model's gradients on every rank (every data-parallel replica ran the same row).
     api.reduce_lora_grads(trainer)
