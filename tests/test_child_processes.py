@@ -75,10 +75,20 @@ def _wait_for_children(
     pytest.fail(f"the children did not come up: {_cmdlines(_run_processes(tmp_path))}")
 
 
+def _the_checks_own(proc: psutil.Process, check: subprocess.Popen[str]) -> bool:
+    """The check process itself, or multiprocessing's resource tracker of it (it ends when the check does)."""
+    try:
+        own_tracker = proc.ppid() == check.pid and "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return True
+    return proc.pid == check.pid or own_tracker
+
+
 def _left_after_polls(tmp_path: Path, check: subprocess.Popen[str]) -> list[str]:
-    """What of the run (other than the check process itself) is still alive after at most EXIT_POLLS polls."""
+    """What of the run (other than the check process and its own bookkeeping) is still alive after at most
+    EXIT_POLLS polls."""
     for _ in range(EXIT_POLLS):
-        left = [p for p in _run_processes(tmp_path) if p.pid != check.pid]
+        left = [p for p in _run_processes(tmp_path) if not _the_checks_own(p, check)]
         if not left:
             return []
         time.sleep(0.1)
@@ -137,8 +147,9 @@ def _parallel_ranks_up(cmdlines: list[str]) -> bool:
 
 def _interrupted(tmp_path: Path, check: subprocess.Popen[str], sig: signal.Signals) -> None:
     """The check reports the signal in one line and exits with 128 + its number, having removed its run directory
-    and every temporary file of its children."""
+    and every temporary file of its children, and nothing of the run outlives it."""
     check.wait(timeout=600)
+    assert _left_after_polls(tmp_path, check) == []
     stderr = (tmp_path / "stderr").read_text()
     assert check.returncode == 128 + sig.value, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == f"interrupted by {sig.name}"
