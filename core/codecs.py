@@ -35,6 +35,7 @@ Megatron is imported on the first conversion, never when a codec is created (han
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -462,6 +463,24 @@ def save_peft_adapter(
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS))
     return out_dir
+
+
+def peft_rank_and_scale(config: Mapping[str, Any], module: str) -> tuple[int, float]:
+    """The rank and the scale PEFT and vLLM (its ``PEFTHelper``) give ``module`` of an adapter (its name in the
+    adapter's tensors, without PEFT's prefix): ``rank_pattern`` / ``alpha_pattern`` overrides matched as PEFT's
+    ``get_pattern_key`` matches them (a key matches a suffix of the name at a "." boundary; the first wins), and
+    ``alpha / sqrt(r)`` under ``use_rslora``, else ``alpha / r``. Written by hand: PEFT is a development dependency,
+    and a trainer exports and merges adapters without it."""
+
+    def override(patterns: Mapping[str, Any] | None, default: Any) -> Any:
+        for key, value in (patterns or {}).items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        return default
+
+    rank = int(override(config.get("rank_pattern"), config["r"]))
+    alpha = float(override(config.get("alpha_pattern"), config["lora_alpha"]))
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
 def load_peft_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

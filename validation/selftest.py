@@ -11,10 +11,12 @@ being able to fail breaks CI.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -613,6 +615,22 @@ def _lora_b_grad_unscaled() -> AbstractContextManager[Any]:
     return _lora_update(branch)
 
 
+def _adapter_config_rslora() -> AbstractContextManager[Any]:
+    """The exported adapter's config says ``use_rslora``: PEFT and vLLM scale it by alpha / sqrt(r), the trainer
+    trained it at alpha / r."""
+    from model_support.core import codecs
+
+    save = codecs.save_peft_adapter
+
+    def patched(out_dir: Path, *args: Any, **kwargs: Any) -> Path:
+        written = save(out_dir, *args, **kwargs)
+        config_path = out_dir / codecs.ADAPTER_CONFIG
+        config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"use_rslora": True}))
+        return written
+
+    return mock.patch.object(codecs, "save_peft_adapter", patched)
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("gate-up-swapped", "codec reads Megatron's fused fc1 as [up; gate]", "qwen3", "lora_coverage",
              _gate_up_swapped),
@@ -695,6 +713,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("sharded-expert-shard-dropped", "the LoRA state keeps one expert-parallel rank's experts, in a check of "
              "the model sharded ep2", "qwen3-moe", "lora_coverage", lambda: _part_not_gathered("expert"),
              parallel="ep2"),
+    Mutation("adapter-config-rslora", "the exported adapter_config.json says use_rslora (served at alpha / sqrt(r), "
+             "trained at alpha / r), on an MoE model", "qwen3-moe", "lora_coverage", _adapter_config_rslora),
     Mutation("lora-input-detached", "the LoRA branch takes x.detach(): no gradient through it into earlier layers",
              "qwen3", "lora_gradients", _lora_input_detached),
     Mutation("lora-b-grad-unscaled", "LoRA B's gradient misses the alpha / r scale (the forward is right)", "qwen3",

@@ -80,11 +80,13 @@ class StackedLoraDelta(LoraDelta):
 
 
 def adapter_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
-    """The PEFT adapter in ``adapter_dir`` as merges, keyed by the checkpoint tensor each one changes."""
-    from model_support.core.codecs import stacked_target
+    """The PEFT adapter in ``adapter_dir`` as merges, keyed by the checkpoint tensor each one changes, each module
+    at the rank and scale PEFT and vLLM read from its config (``use_rslora``, ``rank_pattern``, ``alpha_pattern``):
+    the reference runs what a server of the adapter runs, not what its trainer meant. A factor whose rows are not
+    that rank is refused (PEFT and vLLM refuse it)."""
+    from model_support.core.codecs import peft_rank_and_scale, stacked_target
 
     config, tensors = load_peft_adapter(adapter_dir)
-    scale = float(config["lora_alpha"]) / int(config["r"])
     stacked = config.get("target_parameters") or ()
     deltas: dict[str, LoraDelta] = {}
     for key, lora_a in tensors.items():
@@ -92,9 +94,13 @@ def adapter_deltas(adapter_dir: Path) -> dict[str, LoraDelta]:
             continue
         lora_b = tensors[key.replace(".lora_A.", ".lora_B.")]
         target = stacked_target(key, stacked)
+        rank, scale = peft_rank_and_scale(config, key[len(PEFT_PREFIX) : -len(".lora_A.weight")])
+        rows = lora_a.shape[0]
+        if (rows % rank != 0) if target else (rows != rank):  # stacked experts: one rank's rows per expert
+            raise ReferenceError(f"{key}: {rows} rows where its config gives rank {rank}")
         if target:
             name = target[0][len(PEFT_PREFIX) :]
-            experts = lora_a.shape[0] // int(config["r"])
+            experts = rows // rank
             deltas[name] = StackedLoraDelta(lora_a, lora_b, scale, experts, key.removesuffix(".lora_A.weight"))
         else:
             deltas[f"{key[len(PEFT_PREFIX) : -len('.lora_A.weight')]}.weight"] = LoraDelta(lora_a, lora_b, scale)

@@ -13,7 +13,6 @@ leftover hidden directory is not an export (no index at the final path) and is r
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from model_support.core.checkpoint import weight_files
-from model_support.core.codecs import PEFT_PREFIX, CodecError, load_peft_adapter
+from model_support.core.codecs import PEFT_PREFIX, CodecError, load_peft_adapter, peft_rank_and_scale
 from model_support.core.outputs import claim_staging, release
 from model_support.core.serving.errors import ExportError
 
@@ -48,13 +47,12 @@ def base_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def adapter_deltas(adapter_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """``{"<module>.weight": (A, B, scale)}`` from a PEFT LoRA adapter directory."""
+    """``{"<module>.weight": (A, B, scale)}`` from a PEFT LoRA adapter directory, each module scaled as PEFT and vLLM
+    scale it (:func:`~model_support.core.codecs.peft_rank_and_scale`)."""
     try:
         config, tensors = load_peft_adapter(Path(adapter_dir))
     except CodecError as exc:
         raise ExportError(str(exc)) from exc
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for key, lora_a in tensors.items():
         if not key.endswith(".lora_A.weight"):
@@ -63,7 +61,7 @@ def adapter_deltas(adapter_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Ten
         lora_b = tensors.get(key.replace(".lora_A.", ".lora_B."))
         if lora_b is None:
             raise ExportError(f"adapter {adapter_dir} has {key} but no matching lora_B")
-        out[f"{module}.weight"] = (lora_a, lora_b, scale)
+        out[f"{module}.weight"] = (lora_a, lora_b, peft_rank_and_scale(config, module)[1])
     return out
 
 
