@@ -631,6 +631,17 @@ def _adapter_config_rslora() -> AbstractContextManager[Any]:
     return mock.patch.object(codecs, "save_peft_adapter", patched)
 
 
+def _export_merged_unscaled() -> AbstractContextManager[Any]:
+    """The merged export adds B A without the adapter's scale alpha / r."""
+    from model_support.core.serving import export
+
+    def merged(tensor: torch.Tensor, delta: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
+        lora_a, lora_b, _scale = delta
+        return (tensor.float() + lora_b.float() @ lora_a.float()).to(tensor.dtype)
+
+    return mock.patch.object(export, "_merged", merged)
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("gate-up-swapped", "codec reads Megatron's fused fc1 as [up; gate]", "qwen3", "lora_coverage",
              _gate_up_swapped),
@@ -715,6 +726,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              parallel="ep2"),
     Mutation("adapter-config-rslora", "the exported adapter_config.json says use_rslora (served at alpha / sqrt(r), "
              "trained at alpha / r), on an MoE model", "qwen3-moe", "lora_coverage", _adapter_config_rslora),
+    Mutation("export-merged-unscaled", "export_merged adds the adapter's B A without its alpha / r", "qwen3",
+             "merged_serving", _export_merged_unscaled, needs_server=True),
     Mutation("lora-input-detached", "the LoRA branch takes x.detach(): no gradient through it into earlier layers",
              "qwen3", "lora_gradients", _lora_input_detached),
     Mutation("lora-b-grad-unscaled", "LoRA B's gradient misses the alpha / r scale (the forward is right)", "qwen3",

@@ -65,14 +65,18 @@ def adapter_deltas(adapter_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Ten
     return out
 
 
+def _merged(tensor: torch.Tensor, delta: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
+    """``W + scale * B @ A`` in fp32, rounded to ``W``'s dtype (as a server merging the adapter holds it)."""
+    lora_a, lora_b, scale = delta
+    return (tensor.float() + scale * (lora_b.float() @ lora_a.float())).to(tensor.dtype)
+
+
 def merged_tensors(model_dir: Path, adapter_dir: Path | None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with the adapter merged in; fails if an adapter module is not in the checkpoint."""
     deltas = adapter_deltas(adapter_dir) if adapter_dir is not None else {}
     for name, tensor in base_tensors(model_dir):
         if name in deltas:
-            lora_a, lora_b, scale = deltas.pop(name)
-            merged = tensor.float() + scale * (lora_b.float() @ lora_a.float())
-            tensor = merged.to(tensor.dtype)
+            tensor = _merged(tensor, deltas.pop(name))
         yield name, tensor
     if deltas:
         raise ExportError(f"adapter modules not in the checkpoint {model_dir}: {', '.join(sorted(deltas)[:3])}")
@@ -185,6 +189,21 @@ def write_checkpoint(
     except BaseException:
         writer.abort()
         raise
+
+
+def merged_subset(
+    model_dir: Path, deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]], names: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``names`` of the checkpoint's tensors (those it has) with ``deltas`` (:func:`adapter_deltas`) merged as
+    :func:`merged_tensors` merges them, reading only those tensors."""
+    from safetensors import safe_open
+
+    wanted = set(names)
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in wanted.intersection(fh.keys()):
+                tensor = fh.get_tensor(name)
+                yield name, _merged(tensor, deltas[name]) if name in deltas else tensor
 
 
 def export_merged(

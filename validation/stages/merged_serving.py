@@ -9,6 +9,11 @@ transformers carrying the same adapter. Tolerances: fp32 serving must agree to
 float round-off; CPU vLLM runs Gated DeltaNet models in bf16 only, where the limit is bf16's, raised to twice
 the distance transformers' own bf16 run keeps from fp32 on the same prompts (``calibrated_tolerance``). The handler's
 ``vllm`` floors (``DependencyFloor(..., extra="serve")``) are held against the runtime's vLLM version.
+
+The adapter's own merged export (``export_merged``: the checkpoint plus the exported adapter, at the rank and scale
+PEFT and vLLM read from its config, what a user serving that adapter merged runs) must equal the weights the
+trainer pushes, tensor by tensor over every tensor the adapter changes, within one rounding to the checkpoint's
+dtype and 1e-5 beyond it (``export_merged_beyond_rounding``), none missing (``export_tensors_missing``).
 """
 
 from __future__ import annotations
@@ -94,6 +99,33 @@ def cannot_serve(stage: Stage, ctx: CheckContext, exc: ServingError) -> StageRes
     return stage.failed(f"vLLM {runtime.vllm_version} failed serving {arch}: {text}")
 
 
+# The adapter's merged export against the trainer's merged weights: beyond one rounding to the checkpoint's dtype (the
+# two merge the same fp32 sums in another order), as parallel_parity holds its layouts' merged weights.
+EXPORT_BEYOND_ROUNDING = 1e-5
+
+
+def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]:
+    """How far ``export_merged`` of the exported adapter (what a user merging the adapter into the checkpoint
+    serves) lands from the policy model's own merged weights (``api.merged_weights``, what a push sends), over
+    every tensor the adapter changes: the largest distance beyond one rounding, and how many of those tensors the
+    trainer's weights lack."""
+    from model_support.core import api
+    from model_support.core.serving.export import adapter_deltas, merged_subset
+    from model_support.validation import serving_session as session
+    from model_support.validation.stages.parallel_parity import beyond_rounding
+
+    deltas = adapter_deltas(adapter)
+    worst, seen = 0.0, set()
+    for bucket in api.merged_weights(session.policy_model(ctx)):
+        for name, exported in merged_subset(ctx.model_dir, deltas, [n for n in bucket if n in deltas]):
+            worst, seen = max(worst, beyond_rounding(exported, bucket[name])), seen | {name}
+    return {
+        "export_merged_beyond_rounding": worst,
+        "export_tensors_compared": len(seen),
+        "export_tensors_missing": len(deltas) - len(seen),
+    }
+
+
 class MergedServingStage(Stage):
     name = "merged_serving"
     title = "vLLM serving the merged LoRA export matches transformers + the adapter (prompt and next-token logprobs)."
@@ -126,6 +158,7 @@ class MergedServingStage(Stage):
                     f"run `model-support runtime install --version {floor.minimum}` or newer"
                 )
         adapter, origin = session.policy_adapter(ctx)
+        export = export_agreement(ctx, adapter)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
         try:
             server = session.serve_policy(ctx)
@@ -146,6 +179,7 @@ class MergedServingStage(Stage):
         tol, own = calibrated_tolerance(ctx, adapter, prompts, reference, dtype)
         metrics = {
             **own,
+            **export,
             "prompt_logprob_max_abs_err": delta.max().item(),
             "prompt_logprob_mean_abs_err": delta.mean().item(),
             "greedy_regret_max": max(regrets),
@@ -165,10 +199,17 @@ class MergedServingStage(Stage):
             ),
             "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
             + ", ".join(f"{r:.2e}" for r in regrets),
+            f"export_merged of the adapter against the trainer's merged weights: {export['export_tensors_compared']} "
+            "tensors the adapter changes",
         ]
         return self.judge(
             metrics,
-            {"prompt_logprob_max_abs_err": tol, "greedy_regret_max": tol},
+            {
+                "prompt_logprob_max_abs_err": tol,
+                "greedy_regret_max": tol,
+                "export_merged_beyond_rounding": EXPORT_BEYOND_ROUNDING,
+                "export_tensors_missing": 0,
+            },
             f"{metrics['tokens_compared']} prompt tokens within {tol:g} ({dtype})",
             details,
             ctx=ctx,
