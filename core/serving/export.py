@@ -191,6 +191,17 @@ def write_checkpoint(
         raise
 
 
+def checkpoint_names(model_dir: Path) -> set[str]:
+    """The names of every tensor of the checkpoint (read from the safetensors headers)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as fh:
+            names.update(fh.keys())
+    return names
+
+
 def merged_subset(
     model_dir: Path, deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]], names: Iterable[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -108,13 +108,15 @@ def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]
     """How far ``export_merged`` of the exported adapter (what a user merging the adapter into the checkpoint
     serves) lands from the policy model's own merged weights (``api.merged_weights``, what a push sends), over
     every tensor the adapter changes: the largest distance beyond one rounding, and how many of those tensors the
-    trainer's weights lack."""
+    trainer's weights lack. Stacked-expert modules (an adapter's ``target_parameters``, gpt-oss's experts) name no
+    checkpoint tensor: ``export_merged`` refuses them, and they are counted apart (``export_modules_unmerged``)."""
     from model_support.core import api
-    from model_support.core.serving.export import adapter_deltas, merged_subset
+    from model_support.core.serving.export import adapter_deltas, checkpoint_names, merged_subset
     from model_support.validation import serving_session as session
     from model_support.validation.stages.parallel_parity import beyond_rounding
 
-    deltas = adapter_deltas(adapter)
+    names, every = checkpoint_names(ctx.model_dir), adapter_deltas(adapter)
+    deltas = {name: delta for name, delta in every.items() if name in names}
     worst, seen = 0.0, set()
     for bucket in api.merged_weights(session.policy_model(ctx)):
         for name, exported in merged_subset(ctx.model_dir, deltas, [n for n in bucket if n in deltas]):
@@ -123,6 +125,7 @@ def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]
         "export_merged_beyond_rounding": worst,
         "export_tensors_compared": len(seen),
         "export_tensors_missing": len(deltas) - len(seen),
+        "export_modules_unmerged": len(every) - len(deltas),
     }
 
 
@@ -200,7 +203,13 @@ class MergedServingStage(Stage):
             "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
             + ", ".join(f"{r:.2e}" for r in regrets),
             f"export_merged of the adapter against the trainer's merged weights: {export['export_tensors_compared']} "
-            "tensors the adapter changes",
+            "tensors the adapter changes"
+            + (
+                f" ({export['export_modules_unmerged']} stacked-expert modules not compared: export_merged does not "
+                "merge an adapter's target_parameters)"
+                if export["export_modules_unmerged"]
+                else ""
+            ),
         ]
         return self.judge(
             metrics,
