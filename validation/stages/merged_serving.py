@@ -161,7 +161,6 @@ class MergedServingStage(Stage):
                     f"run `model-support runtime install --version {floor.minimum}` or newer"
                 )
         adapter, origin = session.policy_adapter(ctx)
-        export = export_agreement(ctx, adapter)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
         try:
             server = session.serve_policy(ctx)
@@ -170,6 +169,7 @@ class MergedServingStage(Stage):
             ]
         except ServingError as exc:
             return cannot_serve(self, ctx, exc)
+        export = export_agreement(ctx, adapter)
         reference = session.trainer_logprobs(ctx, adapter, prompts)
         deltas, regrets = [], []
         for prompt, choice, ref in zip(prompts, choices, reference, strict=True):
