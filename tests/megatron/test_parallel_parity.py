@@ -3,12 +3,20 @@ job of gloo processes per handler), and a malformed --layouts is a one-line erro
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from model_support.core import progress
 from model_support.core.parallel import ParallelLayout, ParallelLayoutError, parse_layouts
+from model_support.core.serving.process import ManagedProcess
+from model_support.validation.stages.parallel_parity import ParallelParityStage
 from tests.helpers import run_cli
 from tests.megatron.conftest import require_megatron
 
@@ -154,3 +162,37 @@ def test_a_layout_needing_more_ranks_than_the_cpus_run_is_named_not_started(tmp_
     verdict = json.loads(report_path.read_text())["results"][0]
     assert verdict["status"] == "skip"
     assert "cp512: not checked, it needs 512 ranks and this machine runs at most" in verdict["summary"]
+
+
+def _job(tmp_path: Path, script: str) -> ManagedProcess:
+    """A real job under the launcher, as the stage starts the worker: ``script`` stands for the worker's ranks."""
+    return ManagedProcess(
+        Path(sys.executable), [sys.executable, "-c", script], env=dict(os.environ), log_path=tmp_path / "job.log"
+    ).start()
+
+
+def test_the_stage_follows_each_run_and_stops_a_job_that_finishes_none_for_the_run_timeout(tmp_path: Path):
+    """The job may take as long as it needs while runs keep finishing (a fresh GPU autotunes for minutes a run); one
+    that finishes no run for ``run_timeout_s`` is given up (None), and one that ends before its run finishes gives
+    its exit status, its run's step line saying it failed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    stage = ParallelParityStage()
+    stage.run_timeout_s = 1.0
+    finished_one = f"import pathlib, time; pathlib.Path({str(out)!r}, 'single.safetensors').touch(); time.sleep(600)"
+    silent = _job(tmp_path, finished_one)
+    shown = io.StringIO()
+    try:
+        with progress.shown_on(Console(file=shown, width=200)):
+            assert stage._follow(silent, ["single", "tp2"], out) is None
+    finally:
+        silent.stop()
+    assert re.search(r"^single: done in [\d.]+ s$", shown.getvalue(), re.M), shown.getvalue()
+    assert re.search(r"^tp2: failed after [\d.]+ s$", shown.getvalue(), re.M), shown.getvalue()
+
+    stage.run_timeout_s = 600.0
+    failing = _job(tmp_path, "import sys; sys.exit(3)")
+    try:
+        assert stage._follow(failing, ["single", "tp2"], out) == 3
+    finally:
+        failing.stop()

@@ -32,8 +32,18 @@ JOB: Resource[ManagedProcess] = Resource(
 # pipeline (with virtual stages), context parallel, and tensor x pipeline for every family; for MoE also expert
 # parallel alone, with tensor + sequence parallel and with pipeline parallel, and expert tensor parallel
 # (megatron-core needs sequence parallel for an MoE model at tensor parallel > 1).
+# How often the stage looks for a finished run while the job runs.
+FOLLOW_POLL_S = 0.5
 DENSE_LAYOUTS = ("tp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-pp2")
 MOE_LAYOUTS = ("ep2", "etp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")
+
+
+class _JobEnded(Exception):
+    """The parallel job ended (its exit status) or went silent (None) before the run it was following finished."""
+
+    def __init__(self, exit_code: int | None) -> None:
+        super().__init__(exit_code)
+        self.exit_code = exit_code
 
 
 def default_layouts(moe: bool) -> tuple[str, ...]:
@@ -127,7 +137,9 @@ class ParallelParityStage(Stage):
         "grads_rounded_to_bf16": 0,
         "layouts_failed": 0,
     }
-    timeout_s = 900
+    # Seconds the job may go without finishing a run before it is stopped (a hang past the collectives' own timeout).
+    # Per run, not per job: on a fresh GPU a Gated DeltaNet family's runs autotune their kernels for minutes each.
+    run_timeout_s = 900
 
     def _layouts(self, ctx: CheckContext) -> tuple[list[str], list[str]]:
         """(the layouts to check, a details line for each asked-for layout that cannot be)."""
@@ -183,18 +195,17 @@ class ParallelParityStage(Stage):
     def _wait_for_runs(self, ctx: CheckContext, runs: list[str]) -> tuple[int | None, bool]:
         """Wait for the job; when a run's failure ended it (the worker's ranks stop at the first error, so no peer
         waits on a collective forever), start the runs it left in a new job, once per failed run, all within
-        ``timeout_s``. Returns (the last job's exit status, whether the time ran out).
+        ``run_timeout_s`` of each other. Returns (the last job's exit status, whether the time ran out).
 
         A rank that died without writing its error (a signal: gloo aborts on mismatched tensors) is named by the
         launcher (``job.failure``): that line becomes the rank's error for the run it failed in."""
         from model_support.validation.ranks import FAILURE_FILE
 
         out = self._out(ctx)
-        deadline = time.monotonic() + self.timeout_s
         job = ctx.state.find(JOB) or self._start(ctx, runs)  # prepare may not have started it
         for _ in range(len(runs)):
             try:
-                exit_code = job.wait(max(deadline - time.monotonic(), 0.0))
+                exit_code = self._follow(job, runs, out)
             finally:
                 ctx.state.drop(JOB)
             if exit_code is None:
@@ -216,6 +227,29 @@ class ParallelParityStage(Stage):
                 return exit_code, False
             job = self._start(ctx, left)
         return exit_code, False
+
+    def _follow(self, job: ManagedProcess, runs: list[str], out: Path) -> int | None:
+        """Show each run as a step while the job runs it (the worker runs them in order, writing ``<run>.safetensors``
+        as each ends); the job's exit status, or None when it finished no run for ``run_timeout_s`` (then stopped by
+        the caller's run state)."""
+        from model_support.core import progress
+
+        for name in runs:
+            if (out / f"{name}.safetensors").exists():
+                continue
+            try:
+                with progress.step(name):  # its end line says "failed after" when the job ends without it
+                    deadline = time.monotonic() + self.run_timeout_s
+                    while not (out / f"{name}.safetensors").exists():
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise _JobEnded(None)
+                        exit_code = job.wait(min(left, FOLLOW_POLL_S))
+                        if exit_code is not None and not (out / f"{name}.safetensors").exists():
+                            raise _JobEnded(exit_code)
+            except _JobEnded as ended:
+                return ended.exit_code
+        return job.wait(self.run_timeout_s)
 
     @staticmethod
     def _out(ctx: CheckContext) -> Path:
@@ -247,7 +281,11 @@ class ParallelParityStage(Stage):
         gpus = torch.cuda.device_count()
         exit_code, timed_out = self._wait_for_runs(ctx, self._runs(ctx, layouts))
         if timed_out:
-            return self.failed(f"the parallel job did not finish in {self.timeout_s} s (stopped); see {log}")
+            done = sum((out / f"{n}.safetensors").exists() for n in self._runs(ctx, layouts))
+            return self.failed(
+                f"the parallel job finished no run in {self.run_timeout_s} s ({done} of "
+                f"{len(self._runs(ctx, layouts))} runs done; stopped); see {log}"
+            )
 
         def results(run: str) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]] | None:
             path = out / f"{run}.safetensors"
