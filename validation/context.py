@@ -60,6 +60,14 @@ class CheckContext:
         self.state = RunState(self)
 
     @property
+    def training_dtype(self) -> str:
+        """The Megatron model's dtype, "bf16" or "fp32": ``check --dtype``, else the device's (bf16 on a GPU, what
+        trainers run; fp32 on a CPU)."""
+        import torch
+
+        return self.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+
+    @property
     def spec(self):  # -> HandlerSpec
         return self.handler.spec
 

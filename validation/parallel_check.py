@@ -67,7 +67,7 @@ def weights_per_rank(ctx: CheckContext, layout: ParallelLayout) -> int:
     over expert (x expert tensor) parallel ranks, the other matrices over tensor-parallel ranks, vectors whole."""
     from model_support.core.checkpoint import stored_tensors
 
-    bits = 32 if (ctx.dtype or ("bf16" if torch.cuda.is_available() else "fp32")) == "fp32" else 16
+    bits = 32 if ctx.training_dtype == "fp32" else 16
     total = 0.0
     for name, (_path, shape, _dtype) in stored_tensors(ctx.model_dir).items():
         numel = math.prod(shape)

@@ -35,6 +35,9 @@ from model_support.validation.state import Resource, stop_value
 
 # Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
 # build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
+# The check's training dtypes as vLLM's --dtype names them.
+VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+GPU_FP32_LORA_GAP = "vLLM's GPU LoRA kernels take fp16 / bf16 weights only, and this check serves float32"
 CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
 # Reloading an MoE model's weights in place moves its outputs: reloading the checkpoint's own weights into a tiny
 # Qwen3-MoE changed prompt log-probs by up to 0.10 (tests/serving/test_inplace.py keeps measuring it).
@@ -53,8 +56,11 @@ def serving_workdir(ctx: CheckContext) -> Path:
 
 def lora_gap(ctx: CheckContext) -> str | None:
     """Why this build cannot serve the handler's adapter natively (``None``: it can, as far as is known)."""
-    if ctx.layout.moe is not None and load_runtime().flavor == "cpu":
+    flavor = load_runtime().flavor
+    if ctx.layout.moe is not None and flavor == "cpu":
         return CPU_MOE_LORA_GAP
+    if flavor == "gpu" and serving_dtype(ctx)[0] == "float32":
+        return GPU_FP32_LORA_GAP
     return None
 
 
@@ -66,10 +72,13 @@ def inplace_gap(ctx: CheckContext) -> str | None:
 
 
 def serving_dtype(ctx: CheckContext) -> tuple[str, str]:
-    """(dtype, why): the checkpoint's own (vLLM's "auto" would run fp32 checkpoints in bf16 on CPU), unless the
-    handler's runtime policy names another for the CPU build."""
+    """(dtype, why). On a GPU the check's training dtype (bf16 unless ``check --dtype fp32``), as trainers serve
+    and as vLLM's GPU LoRA kernels take only; on the CPU build the checkpoint's own (vLLM's "auto" would run fp32
+    checkpoints in bf16 there), unless the handler's runtime policy names another for the CPU build."""
     policy = ctx.spec.runtime
-    if policy.cpu_serving_dtype is not None and load_runtime().flavor == "cpu":
+    if load_runtime().flavor == "gpu":
+        return VLLM_DTYPES[ctx.training_dtype], "the check's training dtype on the GPU"
+    if policy.cpu_serving_dtype is not None:
         return (
             policy.cpu_serving_dtype,
             f"{ctx.spec.name}'s runtime policy on the CPU build: {policy.cpu_serving_reason}",

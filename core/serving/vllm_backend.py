@@ -44,23 +44,40 @@ _ROOT_CAUSE = (
     re.compile(r"(\[Errno \d+\].*)$"),
 )
 SERVER_KEY_ENV = "MODEL_SUPPORT_SERVER_KEY"  # read by vllm_ext/ms_vllm_ext.py in the server
-# vLLM's log prefix: "(APIServer pid=7) ERROR 11-27 10:00:00 [api_server.py:123] "
-_LOG_PREFIX = re.compile(r"^.*?\[[\w./-]+\.py:\d+\] ")
+# vLLM's log prefixes: "(EngineCore pid=7) ERROR 11-27 10:00:00 [core.py:123] ", or "(EngineCore pid=7) " alone.
+_LOG_PREFIX = re.compile(r"^(?:.*?\[[\w./-]+\.py:\d+\] |\(\w+ pid=\d+\) )")
 _NOISE = ("EngineDeadError", "Engine core initialization failed", "APIServer", "Traceback")
+# A traceback's frame line, and the marker lines under a frame's code ("    ^^^^~~~~").
+_FRAME = re.compile(r'^File "(?P<path>[^"]+)", line (?P<line>\d+), in ')
+_MARKERS = re.compile(r"^[\^~\s]+$")
 
 
 def root_cause(log: str) -> str:
     """The last line of a vLLM log that states a cause (see ``_ROOT_CAUSE``), skipping the lines that only say
-    something upstream failed; "no error line in the server log" when there is none."""
-    for line in reversed(log.splitlines()):
-        text = _LOG_PREFIX.sub("", line).strip()
+    something upstream failed; an exception without a message (a failed ``assert``) comes with the statement that
+    raised it. "no error line in the server log" when there is none."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in log.splitlines()]
+    for index in range(len(lines) - 1, -1, -1):
+        text = lines[index]
         if any(n in text for n in _NOISE):
             continue
         for pattern in _ROOT_CAUSE:
             match = pattern.search(text)
             if match:
-                return match.group(1)
+                cause = match.group(1)
+                raised = _raising_statement(lines[:index]) if cause.endswith("Error") else None
+                return f"{cause} at {raised}" if raised else cause
     return "no error line in the server log"
+
+
+def _raising_statement(lines: list[str]) -> str | None:
+    """``path:line: code`` of the innermost frame of the traceback that ``lines`` end with (``None``: they end
+    with no frame), the path from its package on (``vllm/lora/ops/...``), wherever vLLM was installed."""
+    code = [line for line in lines[-4:] if line and not _MARKERS.match(line)]
+    if len(code) < 2 or not (frame := _FRAME.match(code[-2])):
+        return None
+    path = re.sub(r"^.*/(?:site|dist)-packages/|^.*?/(?=vllm/)", "", frame["path"])
+    return f"{path}:{frame['line']}: {code[-1]}"
 
 
 def free_port() -> int:

@@ -84,6 +84,24 @@ def test_a_runtime_on_a_path_of_its_own_is_put_after_the_extension():
             "(APIServer) ERROR [x.py:2] RuntimeError: Engine core initialization failed. See root cause above.\n",
             "ValueError: bad rank",
         ),
+        (  # a failed assert has no message: the statement that raised it is the cause (vLLM 0.26 on an H100)
+            '(EngineCore pid=1135) ERROR 11-27 20:56:57 [core.py:1330]   File "/tmp/vsite/vllm/lora/ops/triton_ops/'
+            'lora_expand_op.py", line 183, in _lora_expand\n'
+            "(EngineCore pid=1135) ERROR 11-27 20:56:57 [core.py:1330]     assert weight.dtype in [torch.float16, "
+            "torch.bfloat16]\n"
+            "(EngineCore pid=1135) ERROR 11-27 20:56:57 [core.py:1330]            ^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+            "(EngineCore pid=1135) ERROR 11-27 20:56:57 [core.py:1330] AssertionError\n"
+            "(EngineCore pid=1135) Process EngineCore:\n"
+            "(EngineCore pid=1135) Traceback (most recent call last):\n"
+            '(EngineCore pid=1135)   File "/usr/lib/python3.12/site-packages/vllm/lora/ops/triton_ops/'
+            'lora_expand_op.py", line 183, in _lora_expand\n'
+            "(EngineCore pid=1135)     assert weight.dtype in [torch.float16, torch.bfloat16]\n"
+            "(EngineCore pid=1135)            ^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+            "(EngineCore pid=1135) AssertionError\n"
+            "(APIServer pid=893) RuntimeError: Engine core initialization failed. See root cause above.\n",
+            "AssertionError at vllm/lora/ops/triton_ops/lora_expand_op.py:183: "
+            "assert weight.dtype in [torch.float16, torch.bfloat16]",
+        ),
         ("INFO all good\n", "no error line in the server log"),
     ],
 )
@@ -223,3 +241,43 @@ def test_a_server_that_is_gone_is_named_not_a_raw_urlerror(tmp_path: Path):
     assert message.startswith("vLLM /v1/models: the server has exited (")
     assert "server log: OSError: [Errno 98] Address already in use" in message
     process.stop()
+
+
+@pytest.mark.parametrize(
+    ("flavor", "handler", "dtype", "served", "gap"),
+    [
+        ("gpu", "qwen3", "bf16", "bfloat16", None),
+        ("gpu", "qwen3", "fp32", "float32", "vLLM's GPU LoRA kernels take fp16 / bf16 weights only"),
+        ("cpu", "qwen3", "bf16", "float32", None),  # the CPU build serves the checkpoint's own
+        ("cpu", "qwen3.5", None, "bfloat16", None),  # unless the handler's CPU policy names another
+    ],
+)
+def test_the_servers_dtype_is_the_checks_training_dtype_on_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flavor: str, handler: str, dtype: str | None, served: str, gap
+):
+    """On a GPU the servers run in the dtype the check trains in (vLLM's GPU LoRA kernels refuse fp32 weights: an
+    fp32 tiny replica served as its checkpoint says failed every serving stage on an H100); a check in fp32 there
+    serves no adapter natively."""
+    from transformers import AutoConfig
+
+    from model_support.core.layout import ModelLayout
+    from model_support.core.registry import load_registry
+    from model_support.core.serving.runtime import RUNTIME_ENV
+    from model_support.validation.context import CheckContext
+    from model_support.validation.serving_session import lora_gap, serving_dtype
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    info = dict(_runtime("0.26.0").__dict__, root=str(runtime), python=sys.executable, flavor=flavor)
+    (runtime / "runtime.json").write_text(json.dumps(info))
+    monkeypatch.setenv(RUNTIME_ENV, str(runtime))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "dtype": "float32"}))
+    registry = load_registry(env={})
+    layout = ModelLayout(num_layers=2, layer_types=("full_attention",) * 2, moe=None, mtp_layers=0)
+    ctx = CheckContext("t", model, registry.get(handler), AutoConfig.from_pretrained(model), layout, registry, tmp_path)
+    ctx.dtype = dtype
+    assert serving_dtype(ctx)[0] == served
+    assert (lora_gap(ctx) or "").startswith(gap or "")
+    assert (lora_gap(ctx) is None) is (gap is None)

@@ -75,9 +75,12 @@ class NativeVllmLoraStage(Stage):
     prompts, prompt_len = 1, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
-        from model_support.validation.serving_session import backend
+        from model_support.validation.serving_session import GPU_FP32_LORA_GAP, backend, lora_gap
 
-        return backend().unavailable_reason()
+        unavailable = backend().unavailable_reason()
+        if unavailable is None and lora_gap(ctx) == GPU_FP32_LORA_GAP:
+            return f"{GPU_FP32_LORA_GAP} (check --dtype fp32); merged_serving checks the adapter merged"
+        return unavailable
 
     def prepare(self, ctx: CheckContext) -> None:
         from model_support.validation.serving_session import prestart_native_lora

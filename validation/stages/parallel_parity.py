@@ -259,7 +259,7 @@ class ParallelParityStage(Stage):
     def _bf16(ctx: CheckContext) -> bool:
         """Whether the check trains in bf16 (``check --dtype``, else the device's: bf16 on a GPU): then every layout
         also runs in bf16, against the single-rank model in bf16."""
-        return (ctx.dtype or ("bf16" if torch.cuda.is_available() else "fp32")) == "bf16"
+        return ctx.training_dtype == "bf16"
 
     def _runs(self, ctx: CheckContext, layouts: list[str]) -> list[str]:
         """The job's runs: the oracle and every layout in fp32, then (bf16 checks) the same in bf16."""
