@@ -93,7 +93,7 @@ def main() -> None:
         proc = psutil.Process(server.pid)
         pids = [server.pid, *(c.pid for c in proc.children(recursive=True))]
         staging = work / "replica-weights"
-        files = WeightUpdater(server, staging, model_dir, stream=False)
+        files = WeightUpdater(server, staging, model_dir, transport="files")
         rows = []
         for transport in ("files", "stream") * args.repeat:
             stream = buckets(base_tensors(model_dir), args.bucket_mib * 1024**2)

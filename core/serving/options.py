@@ -27,8 +27,9 @@ class ServeOptions:
     serve only the text model of a multimodal checkpoint (no image processor is loaded). ``extra_args``: further
     ``vllm serve`` arguments, passed on as they are, after the ones above. ``weight_transfer``: how
     ``Server.update_weights`` reaches the model: "stream" (vLLM's weight-transfer interface with the project's local
-    engine: buckets streamed through memory, applied after the last) or "files" (each step written as a checkpoint
-    and reloaded from disk).
+    engine: buckets streamed through memory, applied after the last), "collective" (the same interface, each bucket
+    broadcast from the trainer's device to the server's: NCCL GPU to GPU, gloo on the CPU build) or "files" (each
+    step written as a checkpoint and reloaded from disk).
     """
 
     dtype: str = "auto"
@@ -80,12 +81,13 @@ class ServeOptions:
                 args.append("--enable-mixed-moe-lora-format")
         if self.language_model_only:
             args.append("--language-model-only")
-        if self.weight_transfer == "stream":
-            # The engine is registered by the worker extension's module, imported in the worker before it is built.
+        if self.weight_transfer in ("stream", "collective"):
+            # The engine (both transports) is registered by the worker extension's module, imported in the worker
+            # before it is built.
             args += ["--weight-transfer-config", json.dumps({"backend": "model_support_local"})]
             args += ["--worker-extension-cls", "ms_weights.WorkerExtension"]
         elif self.weight_transfer != "files":
-            raise ValueError(f"weight_transfer must be 'stream' or 'files', not {self.weight_transfer!r}")
+            raise ValueError(f"weight_transfer must be 'stream', 'collective' or 'files', not {self.weight_transfer!r}")
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0]
             if flag in _OWNED_FLAGS:

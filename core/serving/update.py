@@ -8,13 +8,20 @@ cache is recomputed with the new weights when they resume: vLLM's ``reset_prefix
 the weight version and the served name advance, and generation resumes. Requests in flight keep going; every
 token they sample carries the version of the weights that sampled it (:meth:`VllmServer.generate`).
 
-Two transports, chosen by ``ServeOptions.weight_transfer``:
+Three transports, chosen by ``ServeOptions.weight_transfer``:
 
 - ``"stream"``: vLLM's weight-transfer routes (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) with the project's local engine (``vllm_ext/ms_weights.py``): every tensor's name,
   dtype and shape is announced first, then each bucket is written to a file in memory (``/dev/shm`` while it has
   room, else the staging directory) and handed over as soon as it is produced, at most two buckets in flight; the
   worker applies the step after the last (``is_last``), all or nothing. No checkpoint is written.
+- ``"collective"``: the same routes and engine: the trainer opens a process group with
+  the server's workers once (``/init_weight_transfer_engine``: the trainer is rank 0, each worker one rank after it),
+  then announces every tensor as ``"stream"`` does and sends each bucket, its tensors packed into one byte buffer,
+  as a broadcast from the trainer's device while ``/update_weights`` tells the workers what it holds: GPU to GPU over
+  NCCL where the server runs on a GPU (the trainer's current device sends), over gloo on the CPU build. The worker
+  holds the step on its device until the last bucket, then applies it all or nothing. A step that fails closes the
+  group; the next step opens a new one.
 - ``"files"``: each bucket is written to the step's staging checkpoint, published atomically and loaded by the
   worker's ``reload_weights`` (``/collective_rpc``); the previous step's checkpoint is removed once the new one is
   loaded, so the disk holds one step at a time.
@@ -25,9 +32,11 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,6 +55,12 @@ _TORCH_DTYPE = {
     "BOOL": "bool",
 }  # fmt: skip
 IN_FLIGHT = 2  # buckets written and not yet taken by the server
+# How long a collective step's broadcast or the group's opening may wait for the server's workers: past it the
+# step fails (a server that died mid-step) instead of waiting forever.
+COLLECTIVE_TIMEOUT_S = 300.0
+# The key prefix of the weight group in the trainer's store (vllm_ext/ms_weights.py joins under the same one).
+STORE_PREFIX = "model_support_weights"
+TRANSPORTS = ("stream", "collective", "files")
 SHM_MARGIN = 64 * 1024**2  # left free in /dev/shm for whoever else uses it
 
 
@@ -94,22 +109,120 @@ class UpdatableServer(Protocol):
     def resume(self) -> None: ...
 
 
-class WeightUpdater:
-    """Applies whole steps of weights to ``server``; ``staging_root`` holds what a step writes."""
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    def __init__(self, server: UpdatableServer, staging_root: Path, support_from: Path, *, stream: bool) -> None:
-        self.server, self.stream = server, stream
+
+def _broadcast_root() -> Any:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    return options
+
+
+class WeightGroup:
+    """The trainer's end of the collective transport: rank 0 of a process group with the server's ``workers``
+    (ranks 1 ..), over NCCL from this process's current GPU (``backend="nccl"``) or over gloo. Built on torch's
+    process groups directly (not ``init_process_group``): a trainer's own default group is left alone."""
+
+    def __init__(self, server: UpdatableServer, workers: int, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ServingError(
+                "the server runs on a GPU and the collective weight transfer sends from the trainer's GPU, but this "
+                "process has none; push with weight_transfer='stream' instead"
+            )
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.timeout = timedelta(seconds=timeout_s)
+        port, world = _free_port(), 1 + workers
+        store = dist.PrefixStore(
+            STORE_PREFIX, dist.TCPStore("127.0.0.1", port, world, True, timeout=self.timeout, wait_for_workers=False)
+        )
+        if backend == "nccl":  # opened lazily by its first broadcast, which the workers join in their first bucket
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self.group: Any = dist.ProcessGroupNCCL(store, 0, world, options)
+            server.request("/init_weight_transfer_engine", {"init_info": self._init_info(port, world, backend)})
+            return
+        # gloo meets its peers while it is built: the workers join it inside the request.
+        opened: list[Any] = []
+        joining = threading.Thread(
+            target=lambda: opened.append(dist.ProcessGroupGloo(store, 0, world, self.timeout)), daemon=True
+        )
+        joining.start()
+        server.request("/init_weight_transfer_engine", {"init_info": self._init_info(port, world, backend)})
+        joining.join(timeout_s)
+        if not opened:
+            raise ServingError(f"the server's workers did not join the weight group in {timeout_s:g} s")
+        self.group = opened[0]
+
+    def _init_info(self, port: int, world: int, backend: str) -> dict[str, Any]:
+        timeout_s = self.timeout.total_seconds()
+        return {"host": "127.0.0.1", "port": port, "world_size": world, "rank_offset": 1, "backend": backend,
+                "timeout_s": timeout_s}  # fmt: skip
+
+    def send(self, server: UpdatableServer, bucket: Mapping[str, torch.Tensor], last: bool) -> None:
+        """One bucket: its tensors packed into one byte buffer on the group's device, broadcast while
+        ``/update_weights`` tells the workers what it holds (both wait for each other: neither is sent alone)."""
+        flat = [t.detach().to(self.device).contiguous().view(-1).view(torch.uint8) for t in bucket.values()]
+        packed = torch.cat(flat)
+        header = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in bucket.items()]
+        update = {"update_info": {"bucket": header, "nbytes": packed.numel(), "is_last": last}}
+        failures: list[BaseException] = []
+        sending = threading.Thread(target=self._broadcast, args=(packed, failures), daemon=True)
+        sending.start()
+        server.request("/update_weights", update)
+        sending.join(self.timeout.total_seconds())
+        if sending.is_alive():
+            raise ServingError(f"the bucket's broadcast did not end in {self.timeout.total_seconds():g} s")
+        if failures:
+            raise ServingError(f"the bucket's broadcast failed: {failures[0]}") from failures[0]
+
+    def _broadcast(self, packed: torch.Tensor, failures: list[BaseException]) -> None:
+        try:
+            self.group.broadcast([packed], _broadcast_root()).wait()
+            if packed.is_cuda:
+                torch.cuda.synchronize(packed.device)
+        except BaseException as exc:  # reported in the caller's thread
+            failures.append(exc)
+
+
+class WeightUpdater:
+    """Applies whole steps of weights to ``server``; ``staging_root`` holds what a step writes. ``transport``: one
+    of :data:`TRANSPORTS` (the module's docstring); ``workers`` and ``backend`` (``"nccl"`` or ``"gloo"``) say how
+    many processes the server's model runs in and how the collective transport reaches them."""
+
+    def __init__(
+        self,
+        server: UpdatableServer,
+        staging_root: Path,
+        support_from: Path,
+        *,
+        transport: str = "stream",
+        workers: int = 1,
+        backend: str = "gloo",
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        self.server, self.transport, self.workers, self.backend = server, transport, workers, backend
         self.staging_root, self.support_from = Path(staging_root), Path(support_from)
         self._loaded: Path | None = None
         self._expected: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._group: WeightGroup | None = None
         self.peak_buckets_in_flight = 0
 
     def update(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
         """Apply one step; returns the new served name. A failure before the last bucket is applied leaves the
         server as it was (same weights, same name) and nothing on disk."""
         self.model, self.step = parse_served_name(self.server.served_name)
-        if self.stream:
+        if self.transport == "stream":
             self._stream(buckets)
+        elif self.transport == "collective":
+            self._collective(buckets)
         else:
             self._files(buckets)
         return self.server.served_name
@@ -194,6 +307,24 @@ class WeightUpdater:
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise self._mismatch(f"{name} holds {bad} non-finite value(s)")
 
+    def _announced(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]]
+    ) -> Iterator[tuple[Mapping[str, torch.Tensor], bool]]:
+        """Each non-empty bucket of a streamed step, checked (:meth:`_check_bucket`), with whether it completes the
+        step; a bucket after the step's last tensor, or a step that ends short of it, is refused."""
+        expected, sent = self.expected(), set[str]()
+        for bucket in buckets:
+            if not bucket:
+                continue
+            if len(sent) == len(expected):
+                raise self._mismatch(f"{len(bucket)} tensor(s) after every tensor of the step was sent")
+            self._check_bucket(bucket, sent)
+            sent |= set(bucket)
+            yield bucket, len(sent) == len(expected)
+        if len(sent) != len(expected):
+            missing = sorted(set(expected) - sent)
+            raise self._mismatch(f"{len(missing)} tensor(s) missing {missing[:3]}")
+
     def _checked(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> Iterator[Mapping[str, torch.Tensor]]:
         """``buckets``, each checked as the stream's are (names, duplicates, dtypes, shapes, finite values) before
         it goes on: the staged transport refuses what the stream refuses."""
@@ -258,14 +389,7 @@ class WeightUpdater:
         try:
             self.server.request("/update_weights", {"update_info": {"params": params}})
             thread.start()
-            sent: set[str] = set()
-            for index, bucket in enumerate(buckets):
-                if not bucket:
-                    continue
-                if len(sent) == len(expected):
-                    raise self._mismatch(f"{len(bucket)} tensor(s) after every tensor of the step was sent")
-                self._check_bucket(bucket, sent)
-                sent |= set(bucket)
+            for index, (bucket, last) in enumerate(self._announced(buckets)):
                 slots.acquire()
                 if failures:
                     slots.release()
@@ -275,11 +399,7 @@ class WeightUpdater:
                 with lock:
                     in_flight[0] += 1
                     self.peak_buckets_in_flight = max(self.peak_buckets_in_flight, in_flight[0])
-                handoff.put((path, len(sent) == len(expected)))
-            else:
-                if len(sent) != len(expected):
-                    missing = sorted(set(expected) - sent)
-                    raise self._mismatch(f"{len(missing)} tensor(s) missing {missing[:3]}")
+                handoff.put((path, last))
         finally:
             handoff.put(None)
             if thread.is_alive():
@@ -291,6 +411,30 @@ class WeightUpdater:
                 self._abort()
         if failures:
             raise failures[0]
+
+    # ------------------------------------------------------------------ collective
+    def _collective(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        expected = self.expected()
+        if self._group is None:
+            self._group = WeightGroup(self.server, self.workers, self.backend, COLLECTIVE_TIMEOUT_S)
+        group, applied = self._group, False
+        self.server.request("/start_weight_update", {})
+        try:
+            params = [[name, dtype, list(shape)] for name, (dtype, shape) in expected.items()]
+            self.server.request("/update_weights", {"update_info": {"params": params}})
+            for bucket, last in self._announced(buckets):
+                if not last:
+                    group.send(self.server, bucket, False)
+                    continue
+                self._swap(
+                    lambda bucket=bucket: group.send(self.server, bucket, True),
+                    lambda version: self.server.request("/finish_weight_update", self._version_body(version)),
+                )
+                applied = True
+        finally:
+            if not applied:
+                self._group = None  # a broadcast may have been left half-way: the next step opens a new group
+                self._abort()
 
     def _abort(self) -> None:
         """End a step that will not be applied (the worker drops what it received); a worker that already failed the

@@ -98,8 +98,11 @@ class VllmServer:
         options: ServeOptions,
         features: VllmFeatures,
         key: str,
+        *,
+        on_gpu: bool = False,
     ):
         self.process, self.port, self.served_name = process, port, served_name
+        self.on_gpu = on_gpu  # the runtime is vLLM's GPU build (weights over NCCL, not gloo)
         self.model_dir, self.options, self.features = model_dir, options, features
         self._key = key
         self.base_url = f"http://127.0.0.1:{port}"
@@ -275,8 +278,14 @@ class VllmServer:
         if self._updater is None:
             model, _ = parse_served_name(self.served_name)
             staging = self.process.log_path.parent / f"{model}-weights"
-            stream = self.options.weight_transfer == "stream"
-            self._updater = WeightUpdater(self, staging, support_from=self.model_dir, stream=stream)
+            self._updater = WeightUpdater(
+                self,
+                staging,
+                support_from=self.model_dir,
+                transport=self.options.weight_transfer,
+                workers=self.options.tensor_parallel_size,
+                backend="nccl" if self.on_gpu else "gloo",
+            )
         return self._updater.update(buckets)
 
     def update_adapter(self, adapter_dir: Path) -> str:
@@ -461,5 +470,6 @@ class VllmBackend:
         key = secrets.token_urlsafe(32)
         env = server_env(runtime, options, key)
         process = ManagedProcess(runtime.python, args, env=env, log_path=log_path).start()
-        server = VllmServer(process, port, served_name, model_dir, options, features, key)
+        on_gpu = runtime.flavor == "gpu"
+        server = VllmServer(process, port, served_name, model_dir, options, features, key, on_gpu=on_gpu)
         return server.wait_ready() if wait else server.start_in_background()

@@ -14,7 +14,7 @@ import torch
 from model_support.core.serving.backend import Server, get_backend
 from model_support.core.serving.errors import ServerError, ServingError
 from model_support.core.serving.export import base_tensors, buckets, export_merged, merged_tensors
-from model_support.core.serving.update import WeightUpdater, memory_dir
+from model_support.core.serving.update import WeightGroup, WeightUpdater, memory_dir
 from model_support.core.serving.vllm_backend import ServeOptions
 from model_support.handlers import BUILTIN_HANDLERS
 from tests.serving.adapters import random_adapter
@@ -46,13 +46,15 @@ def _pushes_left() -> list[Path]:
 
 @pytest.mark.slow
 def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, tmp_path):
-    """Step 1 streams (the server's default transport), step 2 goes through a staged checkpoint."""
+    """Step 1 streams (the server's default transport), step 2 goes through a staged checkpoint, step 3 is broadcast
+    bucket by bucket over a process group with the server's worker (gloo here, NCCL between GPUs)."""
     server, base = qwen3_server, tiny_model_dir("qwen3")
     pid, start = server.pid, int(server.served_name.rpartition("@")[2])
     previous = _served(server)
     assert (previous - _reference(base)).abs().max().item() < FP32_TOL
-    files = WeightUpdater(server, server.process.log_path.parent / "qwen3-weights", base, stream=False)
-    for step, update in ((start + 1, server.update_weights), (start + 2, files.update)):
+    files = WeightUpdater(server, server.process.log_path.parent / "qwen3-weights", base, transport="files")
+    collective = WeightUpdater(server, tmp_path / "unused", base, transport="collective")
+    for step, update in ((start + 1, server.update_weights), (start + 2, files.update), (start + 3, collective.update)):
         adapter = random_adapter(base, TARGETS, tmp_path / f"adapter-{step}", seed=20 + step)
         expected = _reference(export_merged(base, adapter, tmp_path / f"reference-{step}"))
         parts = list(buckets(merged_tensors(base, adapter), max_bytes=150_000))
@@ -78,6 +80,24 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
     assert not _pushes_left() and not list((server.process.log_path.parent / "qwen3-weights").glob("push-*"))
     staged = sorted(server.process.log_path.parent.glob("qwen3-weights/step-*"))
     assert [p.name for p in staged] == [f"step-{start + 2}"]  # the files transport keeps the loaded step only
+
+
+def test_a_broadcast_bucket_is_checked_by_the_worker_and_a_refused_one_changes_nothing(qwen3_server, tiny_model_dir):
+    """The worker receives a broadcast bucket before it checks it (the trainer never waits alone in the
+    broadcast), then refuses what was not announced as it came; the step is dropped, the next one opens a new
+    group and applies."""
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    name, before = server.served_name, _served(server)
+    group = WeightGroup(server, 1, "gloo", 60.0)
+    server.request("/start_weight_update", {})
+    server.request("/update_weights", {"update_info": {"params": [["model.norm.weight", "float32", [64]]]}})
+    with pytest.raises(ServerError, match=r"'model\.norm\.weight' is bfloat16 \[64\], announced float32 \[64\]"):
+        group.send(server, {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}, True)
+    assert server.models() == [name]
+    assert (_served(server) - before).abs().max().item() < 1e-6
+    collective = WeightUpdater(server, base, base, transport="collective")
+    assert collective.update(buckets(base_tensors(base), max_bytes=200_000)) != name
+    assert (_served(server) - _reference(base)).abs().max().item() < FP32_TOL  # the base weights, under the next name
 
 
 def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path):
@@ -115,7 +135,7 @@ def test_a_non_finite_weight_is_refused_on_either_transport(qwen3_server, tiny_m
     server, base = qwen3_server, tiny_model_dir("qwen3")
     name, before = server.served_name, _served(server)
     staging = server.process.log_path.parent / "qwen3-weights"
-    files, staged = WeightUpdater(server, staging, base, stream=False), sorted(staging.glob("step-*"))
+    files, staged = WeightUpdater(server, staging, base, transport="files"), sorted(staging.glob("step-*"))
     dead = staging / "push-killed"  # a trainer killed mid-push left its buckets: the next push removes them
     dead.mkdir(parents=True)
     (dead / ".owner-lock").write_text("1\n")

@@ -39,7 +39,7 @@ def test_options_become_vllm_arguments() -> None:
     assert "--enforce-eager" in defaults
     assert "--enable-lora" not in defaults and "--gpu-memory-utilization" not in defaults
     assert defaults[defaults.index("--weight-transfer-config") + 1] == '{"backend": "model_support_local"}'
-    with pytest.raises(ValueError, match="weight_transfer must be 'stream' or 'files', not 'nccl'"):
+    with pytest.raises(ValueError, match="weight_transfer must be 'stream', 'collective' or 'files', not 'nccl'"):
         ServeOptions(weight_transfer="nccl").vllm_args()
 
 

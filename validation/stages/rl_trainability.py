@@ -36,7 +36,7 @@ from model_support.validation.serving_session import SERVER
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
-from model_support.validation.stages.train_inference_mismatch import mismatch, mismatch_tolerance
+from model_support.validation.stages.train_inference_mismatch import mismatch, mismatch_tolerance, topk_kl
 from model_support.validation.stages.trainability import base_fingerprints, changed_base, peak_lr
 
 QUESTIONS = (
@@ -57,15 +57,6 @@ def answer_tokens(tokenizer: Any) -> dict[int, str]:
     if len(ids) != len(REWARDS):
         raise ValueError(f"the tokenizer does not give yes / no / maybe distinct first tokens: {first}")
     return ids
-
-
-def topk_kl(top: dict[int, float], trainer: torch.Tensor) -> float:
-    """KL(server || trainer) over the server's top-k tokens (token id -> log-probability), both renormalised on
-    that set."""
-    ids = torch.tensor(list(top))
-    served = torch.log_softmax(torch.tensor(list(top.values()), dtype=torch.float64), dim=0)
-    ours = torch.log_softmax(trainer[ids].double(), dim=0)
-    return float((served.exp() * (served - ours)).sum())
 
 
 @dataclass

@@ -8,6 +8,10 @@ prompt + completion ids in one packed forward (``api.token_logprobs``). Per samp
 estimate ``k3 = exp(-delta) - 1 + delta`` averaged over tokens (unbiased under the server's samples). This is the
 number an on-policy RL run depends on, and what catches weights that were pushed but landed in the wrong place.
 transformers (fp32, adapter merged) scores the same ids as a second reference, held to the same limits.
+
+Beside these, ART's two figures for the same samples, reported with ART's limits and not judged: the mean
+``|p_server - p_trainer|`` of the sampled tokens (``art_prob_abs_diff_mean``; ART asks <= 4%) and KL(server ||
+trainer) over the server's top 20 tokens at each sampled position (``art_top20_kl_mean``; ART asks <= 0.002).
 """
 
 from __future__ import annotations
@@ -33,6 +37,30 @@ MISMATCH_TOLERANCE = {
 
 def mismatch_tolerance(dtype: str) -> dict[str, float]:
     return MISMATCH_TOLERANCE.get(dtype, MISMATCH_TOLERANCE["bfloat16"])
+
+
+# ART's figures: how many of the server's most likely tokens its top-k KL covers, and its limits.
+ART_TOP_K = 20
+ART_LIMITS = {"art_prob_abs_diff_mean": 0.04, "art_top20_kl_mean": 0.002}
+
+
+def topk_kl(top: dict[int, float], trainer: torch.Tensor) -> float:
+    """KL(server || trainer) over the server's top-k tokens (token id -> log-probability), both renormalised on
+    that set."""
+    ids = torch.tensor(list(top))
+    served = torch.log_softmax(torch.tensor(list(top.values()), dtype=torch.float64), dim=0)
+    ours = torch.log_softmax(trainer[ids].double(), dim=0)
+    return float((served.exp() * (served - ours)).sum())
+
+
+def art_figures(served: torch.Tensor, tops: list[dict[int, float]], rows: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """ART's mismatch figures for sampled tokens: ``served`` their server log-probabilities, ``tops`` the server's
+    top-k at each, ``rows`` the trainer's log-softmax at each position, ``tokens`` the sampled ids."""
+    ours = rows.gather(1, tokens[:, None])[:, 0].double()
+    return {
+        "art_prob_abs_diff_mean": (served.exp() - ours.exp()).abs().mean().item(),
+        "art_top20_kl_mean": sum(topk_kl(top, row) for top, row in zip(tops, rows, strict=True)) / len(tops),
+    }
 
 
 def mismatch(delta: torch.Tensor) -> dict[str, float]:
@@ -71,7 +99,14 @@ class TrainInferenceMismatchStage(Stage):
             # prompt's prefill in parts ("CPU Generator does not use offset"); the server's own seed keeps runs
             # reproducible.
             samples = [
-                server.completion(p, max_tokens=self.max_tokens, temperature=1.0, logprobs=0, ignore_eos=True)
+                server.completion(
+                    p,
+                    max_tokens=self.max_tokens,
+                    temperature=1.0,
+                    logprobs=ART_TOP_K,
+                    return_tokens_as_token_ids=True,  # top-k keyed "token_id:<id>", not by ambiguous text
+                    ignore_eos=True,
+                )
                 for p in prompts
             ]
         except ServingError as exc:
@@ -91,6 +126,18 @@ class TrainInferenceMismatchStage(Stage):
                 ]
             )
             metrics |= {prefix + k: v for k, v in mismatch(delta).items()}
+        tops = [
+            {int(key.removeprefix("token_id:")): lp for key, lp in top.items()}
+            for s in samples
+            for top in s["logprobs"]["top_logprobs"]
+        ]
+        positions = [torch.arange(len(p), len(seq)) for p, seq in zip(prompts, sequences, strict=True)]
+        metrics |= art_figures(
+            torch.cat(served),
+            tops,
+            torch.cat([rows[at - 1] for rows, at in zip(trainers[""], positions, strict=True)]),
+            torch.cat([torch.tensor(seq)[at] for seq, at in zip(sequences, positions, strict=True)]),
+        )
         metrics |= {
             "sampled_tokens": sum(len(lp) for lp in served),
             "prompt_lengths": "+".join(str(len(p)) for p in prompts),
@@ -105,6 +152,10 @@ class TrainInferenceMismatchStage(Stage):
             f"{metrics['sampled_tokens']} sampled tokens, server vs Megatron: mean KL {metrics['kl_mean']:.2e}, "
             f"max |delta| {metrics['abs_delta_logprob_max']:.2e}",
             [
+                f"ART's figures (server vs Megatron, not judged here): mean |p_server - p_trainer| "
+                f"{metrics['art_prob_abs_diff_mean']:.2e} (ART's limit {ART_LIMITS['art_prob_abs_diff_mean']}), "
+                f"top-{ART_TOP_K} KL {metrics['art_top20_kl_mean']:.2e} (ART's limit "
+                f"{ART_LIMITS['art_top20_kl_mean']})",
                 "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
                 f"adapter: {origin}",
                 f"trainer: the Megatron model ({session.policy_model(ctx).describe()}); hf_*: transformers fp32, "

@@ -3,15 +3,22 @@
 Registers ``model_support_local``, a weight-transfer engine written to vLLM's interface
 (``vllm.distributed.weight_transfer.base.WeightTransferEngine``; the server runs with
 ``--weight-transfer-config '{"backend": "model_support_local"}'``) and driven through vLLM's own routes:
-``/start_weight_update``, ``/update_weights`` once per message, ``/finish_weight_update``.
+``/start_weight_update``, ``/update_weights`` once per message, ``/finish_weight_update``. A bucket comes either as
+a local file (the trainer and the server on one machine) or as one broadcast from the trainer (rank 0) to every
+worker of the server, over NCCL between GPUs (gloo on the CPU build), in a process group the trainer opens once
+with ``/init_weight_transfer_engine`` (``{"host", "port", "world_size", "rank_offset", "backend", "timeout_s"}``).
+The group is built on torch's process groups, not vLLM's own NCCL engine: that one needs vLLM in the trainer's
+process too, which this project keeps vLLM out of.
 
 One step is, in order:
 
 1. ``{"params": [[name, dtype, shape], ...]}``: every tensor of the step announced (HF names, as the checkpoint
    stores them) before any data;
-2. ``{"path": "<file>.safetensors", "is_last": bool}`` per bucket: the trainer wrote the bucket to a local file
-   (``/dev/shm`` where there is one: memory, not disk); the worker reads it, deletes it and keeps its tensors after
-   checking each against the announcement;
+2. per bucket, ``{"path": "<file>.safetensors", "is_last": bool}`` (the trainer wrote the bucket to a local file,
+   in ``/dev/shm`` where there is one; the worker reads it and deletes it) or ``{"bucket": [[name, dtype, shape],
+   ...], "nbytes": N, "is_last": bool}`` (the worker receives the bucket's N bytes, its tensors packed in that
+   order, from the trainer's broadcast, then reads them out); the worker keeps each tensor after checking it
+   against the announcement (a broadcast bucket on the worker's device: the whole step, until the last bucket);
 3. on ``is_last`` (every announced tensor received, nothing else) the whole step is loaded with vLLM's in-place
    reload (``reload_weights`` over the received tensors, as the file-system transport loads a checkpoint); before
    that nothing of the step reaches the model, so a failed step changes nothing;
@@ -23,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,17 +38,28 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 BACKEND = "model_support_local"
+# Key prefix of the weight group in the trainer's store (core/serving/update.py opens it under the same one).
+STORE_PREFIX = "model_support_weights"
 
 
 @dataclass
 class LocalInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: the transport is the local file system."""
+    """Where the trainer's weight group is (broadcast buckets); file buckets need none."""
+
+    host: str = ""
+    port: int = 0
+    world_size: int = 0
+    rank_offset: int = 1
+    backend: str = "gloo"
+    timeout_s: float = 300.0
 
 
 @dataclass
 class LocalUpdateInfo(WeightTransferUpdateInfo):
     params: list[list[Any]] | None = None
     path: str | None = None
+    bucket: list[list[Any]] | None = None
+    nbytes: int = 0
     is_last: bool = False
     abort: bool = False
 
@@ -59,10 +78,31 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._step: _Step | None = None
+        self._group: Any = None
         self.applied = 0
 
     def init_transfer_engine(self, init_info: LocalInitInfo) -> None:
-        pass
+        """Join the trainer's weight group (replacing an earlier one): this worker's rank counts the workers of every
+        data-parallel replica before it, after the trainer's ranks (``rank_offset``)."""
+        import torch.distributed as dist
+
+        wanted = "nccl" if self.device.type == "cuda" else "gloo"
+        if init_info.backend != wanted:
+            raise ValueError(
+                f"the trainer asked for {init_info.backend}; a worker on {self.device.type} takes {wanted}"
+            )
+        config = self.parallel_config
+        rank = getattr(config, "data_parallel_index", 0) * config.world_size + config.rank + init_info.rank_offset
+        timeout = timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(init_info.host, init_info.port, init_info.world_size, False, timeout=timeout)
+        store = dist.PrefixStore(STORE_PREFIX, store)
+        self._group = None
+        if wanted == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._group = dist.ProcessGroupNCCL(store, rank, init_info.world_size, options)
+        else:
+            self._group = dist.ProcessGroupGloo(store, rank, init_info.world_size, timeout)
 
     def start_weight_update(self) -> None:
         self._step = None
@@ -86,27 +126,49 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
         if update_info.params is not None:
             self._step = _Step({str(n): (str(d), tuple(int(x) for x in s)) for n, d, s in update_info.params})
             return
-        if self._step is None:
-            raise ValueError("a weight bucket arrived before the step's tensors were announced")
-        if update_info.path is None:
-            raise ValueError("a weight bucket message needs 'path'")
+        step = self._step
         try:
-            self._take(self._step, update_info.path)
+            tensors = self._bucket(update_info)  # a broadcast is received even when its bucket cannot be taken
+            if step is None:
+                raise ValueError("a weight bucket arrived before the step's tensors were announced")
+            self._take(step, tensors)
             if update_info.is_last:
-                self._apply(self._step)
+                self._apply(step)
         except BaseException:
             self._step = None
             raise
 
-    @staticmethod
-    def _take(step: _Step, path: str) -> None:
+    def _bucket(self, update_info: LocalUpdateInfo) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        try:
-            tensors = load_file(path)
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
+        if update_info.path is not None:
+            try:
+                return load_file(update_info.path)
+            finally:
+                if os.path.exists(update_info.path):
+                    os.unlink(update_info.path)
+        if update_info.bucket is None:
+            raise ValueError("a weight bucket message needs 'path', or 'bucket' and 'nbytes'")
+        if self._group is None:
+            raise ValueError("a broadcast bucket arrived before /init_weight_transfer_engine opened the weight group")
+        packed = torch.empty(int(update_info.nbytes), dtype=torch.uint8, device=self.device)
+        self._group.broadcast([packed], _broadcast_root()).wait()
+        tensors, offset = {}, 0
+        for name, dtype, shape in update_info.bucket:
+            kind = getattr(torch, str(dtype), None)
+            if not isinstance(kind, torch.dtype):
+                raise ValueError(f"tensor {name!r} has no torch dtype {dtype!r}")
+            count = int(torch.Size(shape).numel()) * torch.empty((), dtype=kind).element_size()
+            if offset + count > packed.numel():
+                raise ValueError(f"a bucket of {packed.numel()} bytes ends inside {name!r}")
+            tensors[str(name)] = packed[offset : offset + count].view(kind).reshape(shape)
+            offset += count
+        if offset != packed.numel():
+            raise ValueError(f"a bucket of {packed.numel()} bytes has {packed.numel() - offset} bytes past its tensors")
+        return tensors
+
+    @staticmethod
+    def _take(step: _Step, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
             if name not in step.expected:
                 raise ValueError(f"tensor {name!r} was not announced for this step")
@@ -131,11 +193,20 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
         """vLLM 0.26 and 0.27 declare this abstract (later releases moved the trainer's side out of the engine): the
-        project's trainer side is :mod:`model_support.core.serving.update`, which writes each bucket itself."""
+        project's trainer side is :mod:`model_support.core.serving.update`, which sends each bucket itself."""
         raise NotImplementedError("model_support_local is sent to by model_support.core.serving.update")
 
     def shutdown(self) -> None:
         self._step = None
+        self._group = None
+
+
+def _broadcast_root() -> Any:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    return options
 
 
 with contextlib.suppress(ValueError):  # the module was imported before in this process

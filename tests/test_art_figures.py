@@ -1,0 +1,37 @@
+"""ART's train/inference mismatch figures (``train_inference_mismatch``): mean |p_server - p_trainer| of the sampled
+tokens and KL(server || trainer) over the server's top-k, on numbers worked by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_support.validation.stages.train_inference_mismatch import art_figures
+
+
+def _rows(*probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log()
+
+
+def test_a_trainer_that_agrees_with_the_server_has_no_mismatch():
+    rows = _rows([0.5, 0.25, 0.25], [0.1, 0.2, 0.7])
+    tokens = torch.tensor([0, 2])
+    tops = [{0: math.log(0.5), 1: math.log(0.25)}, {2: math.log(0.7), 1: math.log(0.2)}]
+    figures = art_figures(rows.gather(1, tokens[:, None])[:, 0], tops, rows, tokens)
+    assert figures == pytest.approx({"art_prob_abs_diff_mean": 0.0, "art_top20_kl_mean": 0.0}, abs=1e-12)
+
+
+def test_the_figures_measure_the_probability_gap_and_the_top_k_divergence():
+    # The server gives the sampled tokens 0.5 and 0.7, the trainer 0.4 and 0.6: mean |dp| = 0.1.
+    trainer = _rows([0.4, 0.4, 0.2], [0.1, 0.3, 0.6])
+    tokens = torch.tensor([0, 2])
+    served = torch.tensor([0.5, 0.7], dtype=torch.float64).log()
+    # The server's top 2 at each position: renormalised (0.5, 0.5) vs the trainer's (0.5, 0.5) -> 0; and
+    # (0.7, 0.2) -> (7/9, 2/9) vs the trainer's (0.6, 0.3) -> (2/3, 1/3).
+    tops = [{0: math.log(0.5), 1: math.log(0.5)}, {2: math.log(0.7), 1: math.log(0.2)}]
+    second = 7 / 9 * math.log((7 / 9) / (2 / 3)) + 2 / 9 * math.log((2 / 9) / (1 / 3))
+    figures = art_figures(served, tops, trainer, tokens)
+    assert figures["art_prob_abs_diff_mean"] == pytest.approx(0.1, abs=1e-12)
+    assert figures["art_top20_kl_mean"] == pytest.approx(second / 2, abs=1e-12)
