@@ -33,6 +33,20 @@ SHOWN = ("logits_max_abs_err", "grad_max_abs_err", "loss_abs_err", "merged_max_a
 SHOWN_BF16 = ("logits_rel_l2", "logits_mean_abs_pct", "grad_mean_abs_pct")
 
 
+def gpu_memory_used() -> dict[int, int] | None:
+    """Each GPU's used memory now (MiB, ``nvidia-smi``); None where there is no ``nvidia-smi``."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except FileNotFoundError:
+        return None
+    return {int(i): int(mib) for i, mib in (line.split(",") for line in out.strip().splitlines())}
+
+
 class PeakMemory:
     """The largest used memory (MiB) of each GPU while the context is open, sampled by ``nvidia-smi``."""
 
@@ -41,23 +55,12 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            try:
-                out = self._query()
-            except FileNotFoundError:  # no nvidia-smi: no GPU to watch
+            used = gpu_memory_used()
+            if used is None:  # no nvidia-smi: no GPU to watch
                 return
-            for line in out.strip().splitlines():
-                index, used = (int(v) for v in line.split(","))
-                self.peak[index] = max(self.peak.get(index, 0), used)
+            for index, mib in used.items():
+                self.peak[index] = max(self.peak.get(index, 0), mib)
             self._stop.wait(self.every_s)
-
-    @staticmethod
-    def _query() -> str:
-        return subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
 
     def __enter__(self) -> PeakMemory:
         self._thread = threading.Thread(target=self._sample, daemon=True)

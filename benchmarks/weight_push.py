@@ -1,15 +1,19 @@
 """Push time and peak extra disk and memory of one weight push into a live vLLM server, per transport.
 
     python benchmarks/weight_push.py [--config qwen3-0.6b.json] [--dtype bfloat16] [--bucket-mib 128] [--out DIR]
+        [--transports files,stream,collective] [--trainer-device cuda --server-gpus 1] [--layers N]
 
 Builds a random replica at the config's real width (all layers), starts one vLLM server on it (the streamed
 transport enabled), and pushes the checkpoint's own tensors in buckets (read from its files: the trainer's resident
 memory includes the pages read, alike for both), first through the file system
 (``ServeOptions.weight_transfer="files"``: the step written as a checkpoint, reloaded from disk), then streamed
 (vLLM's weight-transfer routes with the project's local engine, buckets through ``/dev/shm``), ``--repeat`` times
-each. A sampling thread records the peak bytes under the staging directory (disk) and under ``/dev/shm`` (memory),
-and the peak resident memory of this process (the trainer's side) and of the server's processes, above what they
-held before the push. One machine, one run: compare the ratios, not the seconds.
+each, then (``collective``) broadcast over a process group with the server's worker (gloo on the CPU build, NCCL
+between GPUs). A sampling thread records the peak bytes under the staging directory (disk) and under ``/dev/shm``
+(memory), the peak resident memory of this process (the trainer's side) and of the server's processes, and each
+GPU's used memory (``nvidia-smi``), above what they held before the push. With ``--trainer-device cuda`` the
+buckets are on this process's GPU before the push starts (as a live model's merged weights are) and the server runs
+on ``--server-gpus``: the trainer's GPU to the server's. One machine, one run: compare the ratios, not the seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.gpu_parallel import PeakMemory, gpu_memory_used
 from model_support.core.replica import build_replica
 from model_support.core.serving.backend import get_backend
 from model_support.core.serving.export import base_tensors, buckets
@@ -79,35 +84,51 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--transports", default="files,stream,collective")
+    parser.add_argument("--trainer-device", default="cpu", help="where the buckets are before the push (cuda: GPU)")
+    parser.add_argument("--server-gpus", default=None, help="the server's CUDA_VISIBLE_DEVICES")
+    parser.add_argument("--layers", type=int, default=None, help="a replica of this many layers (default: all)")
     args = parser.parse_args()
+    transports = args.transports.split(",")
     work = Path(args.out or tempfile.mkdtemp(prefix="weight-push-"))
     raw = json.loads((CONFIGS / args.config).read_text())
     model_dir = work / "replica"
     if not (model_dir / "config.json").exists():
-        build_replica(raw, model_dir, layers=None, experts=None, dtype=getattr(torch, args.dtype), device="cpu",
-                      seed=0, overwrite=False)  # fmt: skip
+        build_replica(raw, model_dir, layers=args.layers, experts=None, dtype=getattr(torch, args.dtype),
+                      device="auto", seed=0, overwrite=False)  # fmt: skip
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-    options = ServeOptions(dtype=args.dtype, kv_cache_gib=1)
+    options = ServeOptions(dtype=args.dtype, kv_cache_gib=1, gpus=args.server_gpus, gpu_memory_utilization=0.5)
     server = get_backend("vllm").serve(model_dir, "replica@0", options, work / "vllm.log")
     try:
         proc = psutil.Process(server.pid)
         pids = [server.pid, *(c.pid for c in proc.children(recursive=True))]
         staging = work / "replica-weights"
-        files = WeightUpdater(server, staging, model_dir, transport="files")
+        backend = "nccl" if server.on_gpu else "gloo"
+        updaters = {
+            "files": WeightUpdater(server, staging, model_dir, transport="files").update,
+            "stream": server.update_weights,
+            "collective": WeightUpdater(server, staging, model_dir, transport="collective", backend=backend).update,
+        }
         rows = []
-        for transport in ("files", "stream") * args.repeat:
+        for transport in transports * args.repeat:
             stream = buckets(base_tensors(model_dir), args.bucket_mib * 1024**2)
+            if args.trainer_device != "cpu":  # on the trainer's GPU before the push, as a live model's weights are
+                stream = [{k: v.to(args.trainer_device) for k, v in bucket.items()} for bucket in stream]
             peaks = Peaks(staging, pids)
-            peaks.start()
-            start = time.perf_counter()
-            name = server.update_weights(stream) if transport == "stream" else files.update(stream)
-            seconds = time.perf_counter() - start
-            peaks.done.set()
-            peaks.join()
-            rows.append({"transport": transport, "served": name, "seconds": round(seconds, 2)} | peaks.peak)
+            before = gpu_memory_used() or {}
+            with PeakMemory(every_s=0.05) as gpu:
+                peaks.start()
+                start = time.perf_counter()
+                name = updaters[transport](stream)
+                seconds = time.perf_counter() - start
+                peaks.done.set()
+                peaks.join()
+            del stream
+            gpu_extra = {f"gpu{i}": (mib - before.get(i, mib)) * 2**20 for i, mib in gpu.peak.items()}
+            rows.append({"transport": transport, "served": name, "seconds": round(seconds, 2)} | peaks.peak | gpu_extra)
             print(json.dumps(rows[-1]), flush=True)
         print(json.dumps({"checkpoint_bytes": size, "bucket_mib": args.bucket_mib, "dtype": args.dtype}))
-        for transport in ("files", "stream"):
+        for transport in dict.fromkeys(transports):
             mine = [r for r in rows if r["transport"] == transport]
             best = min(mine, key=lambda r: r["seconds"])
             print(
@@ -115,6 +136,11 @@ def main() -> None:
                 f"{max(r['disk'] for r in mine) / 2**20:.0f} MiB, /dev/shm {max(r['shm'] for r in mine) / 2**20:.0f} "
                 f"MiB, trainer RSS +{max(r['trainer'] for r in mine) / 2**20:.0f} MiB, server RSS "
                 f"+{max(r['server'] for r in mine) / 2**20:.0f} MiB"
+                + "".join(
+                    f", {key} +{max(r[key] for r in mine) / 2**20:.0f} MiB"
+                    for key in sorted(mine[0])
+                    if key.startswith("gpu")
+                )
             )
     finally:
         server.stop()

@@ -29,7 +29,8 @@ class ServeOptions:
     ``Server.update_weights`` reaches the model: "stream" (vLLM's weight-transfer interface with the project's local
     engine: buckets streamed through memory, applied after the last), "collective" (the same interface, each bucket
     broadcast from the trainer's device to the server's: NCCL GPU to GPU, gloo on the CPU build) or "files" (each
-    step written as a checkpoint and reloaded from disk).
+    step written as a checkpoint and reloaded from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0,
+    the server on ``"1"``), its ``CUDA_VISIBLE_DEVICES``.
     """
 
     dtype: str = "auto"
@@ -46,6 +47,8 @@ class ServeOptions:
     language_model_only: bool | None = None
     extra_args: tuple[str, ...] = ()
     weight_transfer: str = "stream"
+    # The GPUs the server runs on, as CUDA_VISIBLE_DEVICES names them ("1", "2,3"); None: the ones this process sees.
+    gpus: str | None = None
     startup_timeout_s: float = 900.0
 
     def for_checkpoint(self, model_dir: Path) -> ServeOptions:

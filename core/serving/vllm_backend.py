@@ -432,6 +432,8 @@ def server_env(runtime: RuntimeInfo, options: ServeOptions, key: str) -> dict[st
         # directory on a file system that cannot hold sockets).
         "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH", "."),
     }
+    if options.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = options.gpus
     if options.tensor_parallel_size == 1:
         # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this is
         # off; the API server runs its engine core in a process of its own either way.

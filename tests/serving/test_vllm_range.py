@@ -59,6 +59,8 @@ def test_a_runtime_on_a_path_of_its_own_is_put_after_the_extension():
     ext, *rest = env["PYTHONPATH"].split(":")
     assert ext.endswith("vllm_ext") and rest == ["/tmp/vsite", "/opt/more"]
     assert env["MODEL_SUPPORT_SERVER_KEY"] == "k"  # the key in the environment, never on the command line
+    # A server on GPUs of its own (the trainer on GPU 0): only those are visible to it.
+    assert server_env(_runtime("0.26.0"), ServeOptions(gpus="1"), "k")["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 @pytest.mark.parametrize(
