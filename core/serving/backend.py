@@ -93,6 +93,12 @@ class Server(Protocol):
 
     def resume(self) -> None: ...
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the server's GPU memory back to a trainer on the same GPU (level 1: weights to host memory, KV cache
+        dropped; level 2: both dropped); ``wake_up`` takes it back. Servers started with sleep mode only."""
+
+    def wake_up(self) -> None: ...
+
     def generate(self, prompt: list[int], *, model: str | None = None, **sampling: Any) -> list[dict[str, Any]]:
         """Sample from token ids; each choice carries the policy version of every token (``policy_epochs``) and
         ``policy_epoch``, ``kv_cache_epoch``, ``num_evictions``."""

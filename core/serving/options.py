@@ -30,7 +30,8 @@ class ServeOptions:
     engine: buckets streamed through memory, applied after the last), "collective" (the same interface, each bucket
     broadcast from the trainer's device to the server's: NCCL GPU to GPU, gloo on the CPU build) or "files" (each
     step written as a checkpoint and reloaded from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0,
-    the server on ``"1"``), its ``CUDA_VISIBLE_DEVICES``.
+    the server on ``"1"``), its ``CUDA_VISIBLE_DEVICES``. ``enable_sleep_mode``: ``Server.sleep`` / ``wake_up``
+    can give the server's GPU memory to a trainer on the same GPU and take it back (vLLM's sleep mode, GPUs only).
     """
 
     dtype: str = "auto"
@@ -49,6 +50,7 @@ class ServeOptions:
     weight_transfer: str = "stream"
     # The GPUs the server runs on, as CUDA_VISIBLE_DEVICES names them ("1", "2,3"); None: the ones this process sees.
     gpus: str | None = None
+    enable_sleep_mode: bool = False
     startup_timeout_s: float = 900.0
 
     def for_checkpoint(self, model_dir: Path) -> ServeOptions:
@@ -84,6 +86,8 @@ class ServeOptions:
                 args.append("--enable-mixed-moe-lora-format")
         if self.language_model_only:
             args.append("--language-model-only")
+        if self.enable_sleep_mode:
+            args.append("--enable-sleep-mode")
         if self.weight_transfer in ("stream", "collective"):
             # The engine (both transports) is registered by the worker extension's module, imported in the worker
             # before it is built.

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from model_support.core.codecs import ADAPTER_CONFIG
-from model_support.core.serving.errors import RuntimeMissingError, ServerError
+from model_support.core.serving.errors import RuntimeMissingError, ServerError, ServingError
 from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.process import ManagedProcess
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
@@ -43,6 +43,8 @@ _ROOT_CAUSE = (
     re.compile(r"^(?:usage: .*\n)?(\S+: error: .+)$"),
     re.compile(r"(\[Errno \d+\].*)$"),
 )
+# How often, and how many times, a sleep or a wake-up is looked for before it counts as failed (120 s).
+SLEEP_POLL_S, SLEEP_POLLS = 0.2, 600
 SERVER_KEY_ENV = "MODEL_SUPPORT_SERVER_KEY"  # read by vllm_ext/ms_vllm_ext.py in the server
 # vLLM's log prefixes: "(EngineCore pid=7) ERROR 11-27 10:00:00 [core.py:123] ", or "(EngineCore pid=7) " alone.
 _LOG_PREFIX = re.compile(r"^(?:.*?\[[\w./-]+\.py:\d+\] |\(\w+ pid=\d+\) )")
@@ -348,6 +350,42 @@ class VllmServer:
     def resume(self) -> None:
         self.request("/resume", {})
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the server's GPU memory back for a trainer on the same GPU (vLLM's sleep mode, ART's shared-GPU
+        mode): level 1 moves the weights to host memory and drops the KV cache, level 2 drops both (push the
+        weights again after :meth:`wake_up`). Requests in flight are aborted. Returns once vLLM reports it sleeps."""
+        self._needs_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level is 1 (weights to host memory) or 2 (weights dropped), not {level!r}")
+        self.request(f"/sleep?level={level}", {})
+        self._until_sleeping(True)
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back (weights and KV cache) after :meth:`sleep`; returns once vLLM reports it awake."""
+        self._needs_sleep_mode()
+        self.request("/wake_up", {})
+        self._until_sleeping(False)
+
+    def _needs_sleep_mode(self) -> None:
+        if not self.options.enable_sleep_mode:
+            raise ServingError(
+                "this server was started without sleep mode; start it with ServeOptions(enable_sleep_mode=True)"
+            )
+
+    def is_sleeping(self) -> bool:
+        return bool(self.request("/is_sleeping")["is_sleeping"])
+
+    def _until_sleeping(self, state: bool) -> None:
+        # vLLM 0.26's /sleep answers before its engine has gone to sleep: its state is read until it holds.
+        for _ in range(SLEEP_POLLS):
+            if self.is_sleeping() is state:
+                return
+            time.sleep(SLEEP_POLL_S)
+        raise ServerError(
+            f"vLLM did not {'go to sleep' if state else 'wake up'} in {SLEEP_POLLS * SLEEP_POLL_S:g} s "
+            f"(log: {self.process.log_path})"
+        )
+
     def generate(self, prompt: list[int], *, model: str | None = None, **sampling: Any) -> list[dict[str, Any]]:
         """Sample from token ids through vLLM's token-in-token-out route (``/inference/v1/generate``, vLLM's
         ``SamplingParams`` as keyword arguments); every choice, in index order, with the staleness of each token.
@@ -467,6 +505,11 @@ class VllmBackend:
         # vLLM runs in a working directory of its own: a relative path would name another file there.
         model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
         options = options.for_checkpoint(model_dir)
+        if options.enable_sleep_mode and runtime.flavor != "gpu":
+            raise ServingError(
+                f"sleep mode needs vLLM on a GPU; the runtime is the CPU build ({runtime.distribution} "
+                f"{runtime.vllm_version}): start the server without ServeOptions(enable_sleep_mode=True)"
+            )
         features = VllmFeatures(runtime.vllm_version)
         args = server_command(runtime, features, model_dir, served_name, port, options)
         key = secrets.token_urlsafe(32)

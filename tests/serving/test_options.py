@@ -29,11 +29,13 @@ def test_options_become_vllm_arguments() -> None:
         language_model_only=True,
         extra_args=("--max-num-batched-tokens", "8192"),
         weight_transfer="files",
+        enable_sleep_mode=True,
     )
     assert options.vllm_args() == [
         "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64", "--tensor-parallel-size", "2",
         "--gpu-memory-utilization", "0.5", "--enable-lora", "--max-lora-rank", "32", "--max-loras", "4",
-        "--enable-mixed-moe-lora-format", "--language-model-only", "--max-num-batched-tokens", "8192",
+        "--enable-mixed-moe-lora-format", "--language-model-only", "--enable-sleep-mode", "--max-num-batched-tokens",
+        "8192",
     ]  # fmt: skip
     defaults = ServeOptions().vllm_args()
     assert "--enforce-eager" in defaults
