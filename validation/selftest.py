@@ -305,6 +305,20 @@ def _weight_version_kept() -> AbstractContextManager[Any]:
     return mock.patch.object(WeightUpdater, "_swap", kept)
 
 
+def _push_keeps_last_bucket() -> AbstractContextManager[Any]:
+    """A push that loses every bucket but the last: a push of one bucket (a tiny replica at the default size) loses
+    nothing."""
+    from model_support.core import api
+
+    merged = api.merged_weights
+
+    def last_only(model: Any, **kw: Any) -> Iterator[dict[str, torch.Tensor]]:
+        *_, last = merged(model, **kw)
+        yield last
+
+    return mock.patch.object(api, "merged_weights", last_only)
+
+
 def _export_drops_a_tensor() -> AbstractContextManager[Any]:
     return _pushed_weights(lambda b: {k: v for k, v in b.items() if k != _Q})
 
@@ -681,6 +695,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "qwen3", "rl_trainability", _weight_version_kept, needs_server=True),
     Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
              "merged_serving", _export_drops_a_tensor, needs_server=True),
+    Mutation("push-keeps-last-bucket", "a push sends only its last bucket of merged weights", "qwen3",
+             "merged_serving", _push_keeps_last_bucket, needs_server=True),
     Mutation("lora-tp-all-reduce-missing", "row-parallel LoRA skips its tensor-parallel all-reduce", "qwen3",
              "parallel_parity", _lora_row_reduce_missing, layouts=("tp2",)),
     Mutation("sp-lora-grads-unsynced", "sequence-parallel LoRA factors keep one sequence shard's gradient", "qwen3",

@@ -100,6 +100,16 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
 
 
 RANDOM_ADAPTER_SEED = 7  # added to the run's seed
+# The check's pushes carry the model in at least this many buckets (a tiny replica fits one bucket of the API's
+# default size), so that a push that loses or misplaces whole buckets, which only a push of several can, fails.
+PUSH_BUCKETS = 4
+
+
+def push_bucket_bytes(ctx: CheckContext) -> int:
+    """The bucket size of the check's pushes: a quarter of the checkpoint (:data:`PUSH_BUCKETS`), at most the
+    API's default (what trainers push at real width)."""
+    stored = sum(f.stat().st_size for f in Path(ctx.model_dir).glob("*.safetensors"))
+    return max(1, min(api.DEFAULT_BUCKET_BYTES, stored // PUSH_BUCKETS))
 
 
 @dataclass
@@ -211,7 +221,7 @@ def serve_base(ctx: CheckContext) -> Server:
     running = server(ctx)
     shared = ctx.state.get(SERVER)
     if shared.holds != "base":
-        running.update_weights(buckets(base_tensors(ctx.model_dir), api.DEFAULT_BUCKET_BYTES))
+        running.update_weights(buckets(base_tensors(ctx.model_dir), push_bucket_bytes(ctx)))
         shared.holds = "base"
     return running
 
@@ -254,7 +264,7 @@ def serve_policy(ctx: CheckContext) -> Server:
     running = server(ctx)
     shared = ctx.state.get(SERVER)
     if shared.holds != "policy":
-        api.push_weights(running, policy_model(ctx))
+        api.push_weights(running, policy_model(ctx), bucket_bytes=push_bucket_bytes(ctx))
         shared.holds = "policy"
     return running
 

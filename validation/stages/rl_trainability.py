@@ -198,6 +198,7 @@ class RlTrainabilityStage(Stage):
         """Train a fresh LoRA until the reward is reached, sampling from ``server`` after each push."""
         from model_support.core import api
         from model_support.core.megatron.lora import lora_modules
+        from model_support.validation.serving_session import push_bucket_bytes
 
         allowed = sorted(answers)
         reward_of = torch.tensor([REWARDS[answers[t]] for t in allowed], dtype=torch.float64)
@@ -209,7 +210,9 @@ class RlTrainabilityStage(Stage):
         run = _Run(mode)
 
         def push() -> str:
-            return api.push_adapter(server, model) if mode == "lora" else api.push_weights(server, model)
+            if mode == "lora":
+                return api.push_adapter(server, model)
+            return api.push_weights(server, model, bucket_bytes=push_bucket_bytes(ctx))
 
         try:
             run.names.append(push())
