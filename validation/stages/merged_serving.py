@@ -117,10 +117,11 @@ def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]
 
     names, every = checkpoint_names(ctx.model_dir), adapter_deltas(adapter)
     deltas = {name: delta for name, delta in every.items() if name in names}
-    worst, seen = 0.0, set()
+    worst, seen = 0.0, set[str]()
     for bucket in api.merged_weights(session.policy_model(ctx)):
         for name, exported in merged_subset(ctx.model_dir, deltas, [n for n in bucket if n in deltas]):
-            worst, seen = max(worst, beyond_rounding(exported, bucket[name])), seen | {name}
+            worst = max(worst, beyond_rounding(exported, bucket[name]))
+            seen.add(name)
     return {
         "export_merged_beyond_rounding": worst,
         "export_tensors_compared": len(seen),
