@@ -150,14 +150,21 @@ class WeightGroup:
             return
         # gloo meets its peers while it is built: the workers join it inside the request.
         opened: list[Any] = []
-        joining = threading.Thread(
-            target=lambda: opened.append(dist.ProcessGroupGloo(store, 0, world, self.timeout)), daemon=True
-        )
+
+        def join() -> None:
+            try:
+                opened.append(dist.ProcessGroupGloo(store, 0, world, self.timeout))
+            except RuntimeError as exc:  # reported in the caller's thread
+                opened.append(exc)
+
+        joining = threading.Thread(target=join, daemon=True)
         joining.start()
         server.request("/init_weight_transfer_engine", {"init_info": self._init_info(port, world, backend)})
         joining.join(timeout_s)
         if not opened:
             raise ServingError(f"the server's workers did not join the weight group in {timeout_s:g} s")
+        if isinstance(opened[0], RuntimeError):
+            raise ServingError(f"the weight group could not be opened: {opened[0]}") from opened[0]
         self.group = opened[0]
 
     def _init_info(self, port: int, world: int, backend: str) -> dict[str, Any]:
