@@ -19,7 +19,8 @@ def test_a_trainer_that_agrees_with_the_server_has_no_mismatch():
     rows = _rows([0.5, 0.25, 0.25], [0.1, 0.2, 0.7])
     tokens = torch.tensor([0, 2])
     tops = [{0: math.log(0.5), 1: math.log(0.25)}, {2: math.log(0.7), 1: math.log(0.2)}]
-    figures = art_figures(rows.gather(1, tokens[:, None])[:, 0], tops, rows, tokens)
+    ours = rows.gather(1, tokens[:, None])[:, 0]
+    figures = art_figures(ours, ours, tops, rows)
     assert figures == pytest.approx({"art_prob_abs_diff_mean": 0.0, "art_top20_kl_mean": 0.0}, abs=1e-12)
 
 
@@ -32,6 +33,6 @@ def test_the_figures_measure_the_probability_gap_and_the_top_k_divergence():
     # (0.7, 0.2) -> (7/9, 2/9) vs the trainer's (0.6, 0.3) -> (2/3, 1/3).
     tops = [{0: math.log(0.5), 1: math.log(0.5)}, {2: math.log(0.7), 1: math.log(0.2)}]
     second = 7 / 9 * math.log((7 / 9) / (2 / 3)) + 2 / 9 * math.log((2 / 9) / (1 / 3))
-    figures = art_figures(served, tops, trainer, tokens)
+    figures = art_figures(served, trainer.gather(1, tokens[:, None])[:, 0], tops, trainer)
     assert figures["art_prob_abs_diff_mean"] == pytest.approx(0.1, abs=1e-12)
     assert figures["art_top20_kl_mean"] == pytest.approx(second / 2, abs=1e-12)

@@ -33,11 +33,11 @@ from model_support.validation.context import CheckContext
 from model_support.validation.megatron_session import LORA, LORA_RANK, TRAINED_ADAPTER, TRAINING_MODEL, hf_reference
 from model_support.validation.state import Resource, stop_value
 
-# Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
-# build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
 # The check's training dtypes as vLLM's --dtype names them.
 VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 GPU_FP32_LORA_GAP = "vLLM's GPU LoRA kernels take fp16 / bf16 weights only, and this check serves float32"
+# Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
+# build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
 CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
 # Reloading an MoE model's weights in place moves its outputs: reloading the checkpoint's own weights into a tiny
 # Qwen3-MoE changed prompt log-probs by up to 0.10 (tests/serving/test_inplace.py keeps measuring it).

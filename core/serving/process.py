@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -47,6 +48,13 @@ def temp_env(directory: Path) -> dict[str, str]:
     cache to :func:`compile_cache_dir` (set explicitly: torch writes the variable into the environment on first use,
     so a parent that imported Megatron would pass on its own, in ``TMPDIR``)."""
     return {"TMPDIR": str(directory), "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir())}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a server's, a process group's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class ManagedProcess:

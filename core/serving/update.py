@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -46,6 +45,7 @@ from model_support.core.checkpoint import stored_tensors
 from model_support.core.outputs import hold, release, sweep
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import write_checkpoint
+from model_support.core.serving.process import free_port
 from model_support.core.serving.vllm_features import VllmFeatures
 
 # safetensors' dtype names (a checkpoint header's) as torch names them.
@@ -109,12 +109,6 @@ class UpdatableServer(Protocol):
     def resume(self) -> None: ...
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _broadcast_root() -> Any:
     import torch.distributed as dist
 
@@ -138,7 +132,7 @@ class WeightGroup:
             )
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)
-        port, world = _free_port(), 1 + workers
+        port, world = free_port(), 1 + workers
         store = dist.PrefixStore(
             STORE_PREFIX, dist.TCPStore("127.0.0.1", port, world, True, timeout=self.timeout, wait_for_workers=False)
         )
@@ -314,6 +308,11 @@ class WeightUpdater:
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise self._mismatch(f"{name} holds {bad} non-finite value(s)")
 
+    def _announce(self) -> None:
+        """Tell the worker every tensor of the step (name, dtype, shape) before any of them is sent."""
+        params = [[name, dtype, list(shape)] for name, (dtype, shape) in self.expected().items()]
+        self.server.request("/update_weights", {"update_info": {"params": params}})
+
     def _announced(
         self, buckets: Iterable[Mapping[str, torch.Tensor]]
     ) -> Iterator[tuple[Mapping[str, torch.Tensor], bool]]:
@@ -344,7 +343,7 @@ class WeightUpdater:
     def _stream(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file
 
-        expected = self.expected()
+        self.expected()  # the served checkpoint's tensors, read before the step starts
         workdirs: dict[Path, tuple[Path, int]] = {}  # bucket root -> this push's directory there and its lock
         for root in {memory_dir(), self.staging_root} - {None}:
             if root is not None and root.is_dir():
@@ -391,10 +390,9 @@ class WeightUpdater:
                     slots.release()
 
         self.server.request("/start_weight_update", {})
-        params = [[name, dtype, list(shape)] for name, (dtype, shape) in expected.items()]
         thread = threading.Thread(target=sender, daemon=True)
         try:
-            self.server.request("/update_weights", {"update_info": {"params": params}})
+            self._announce()
             thread.start()
             for index, (bucket, last) in enumerate(self._announced(buckets)):
                 slots.acquire()
@@ -421,14 +419,13 @@ class WeightUpdater:
 
     # ------------------------------------------------------------------ collective
     def _collective(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
-        expected = self.expected()
+        self.expected()  # the served checkpoint's tensors, read before the step starts
         if self._group is None:
             self._group = WeightGroup(self.server, self.workers, self.backend, COLLECTIVE_TIMEOUT_S)
         group, applied = self._group, False
         self.server.request("/start_weight_update", {})
         try:
-            params = [[name, dtype, list(shape)] for name, (dtype, shape) in expected.items()]
-            self.server.request("/update_weights", {"update_info": {"params": params}})
+            self._announce()
             for bucket, last in self._announced(buckets):
                 if not last:
                     group.send(self.server, bucket, False)

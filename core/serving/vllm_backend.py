@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import threading
 import time
 import urllib.error
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from model_support.core.codecs import ADAPTER_CONFIG
 from model_support.core.serving.errors import RuntimeMissingError, ServerError, ServingError
 from model_support.core.serving.options import ServeOptions
-from model_support.core.serving.process import ManagedProcess
+from model_support.core.serving.process import ManagedProcess, free_port
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
 from model_support.core.serving.update import WeightUpdater, parse_served_name, served_name
 from model_support.core.serving.vllm_features import VllmFeatures
@@ -80,12 +79,6 @@ def _raising_statement(lines: list[str]) -> str | None:
         return None
     path = re.sub(r"^.*/(?:site|dist)-packages/|^.*?/(?=vllm/)", "", frame["path"])
     return f"{path}:{frame['line']}: {code[-1]}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class VllmServer:

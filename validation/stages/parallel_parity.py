@@ -32,10 +32,10 @@ JOB: Resource[ManagedProcess] = Resource(
 # pipeline (with virtual stages), context parallel, and tensor x pipeline for every family; for MoE also expert
 # parallel alone, with tensor + sequence parallel and with pipeline parallel, and expert tensor parallel
 # (megatron-core needs sequence parallel for an MoE model at tensor parallel > 1).
-# How often the stage looks for a finished run while the job runs.
-FOLLOW_POLL_S = 0.5
 DENSE_LAYOUTS = ("tp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-pp2")
 MOE_LAYOUTS = ("ep2", "etp2", "tp2-sp", "pp2", "pp2-vp2", "cp2", "tp2-sp-ep2", "ep2-pp2")
+# How often the stage looks for a finished run while the job runs.
+FOLLOW_POLL_S = 0.5
 
 
 class _JobEnded(Exception):

@@ -53,12 +53,11 @@ def topk_kl(top: dict[int, float], trainer: torch.Tensor) -> float:
     return float((served.exp() * (served - ours)).sum())
 
 
-def art_figures(served: torch.Tensor, tops: list[dict[int, float]], rows: torch.Tensor, tokens: torch.Tensor) -> dict:
-    """ART's mismatch figures for sampled tokens: ``served`` their server log-probabilities, ``tops`` the server's
-    top-k at each, ``rows`` the trainer's log-softmax at each position, ``tokens`` the sampled ids."""
-    ours = rows.gather(1, tokens[:, None])[:, 0].double()
+def art_figures(served: torch.Tensor, ours: torch.Tensor, tops: list[dict[int, float]], rows: torch.Tensor) -> dict:
+    """ART's mismatch figures for sampled tokens: ``served`` and ``ours`` their log-probabilities on the server and
+    the trainer, ``tops`` the server's top-k at each, ``rows`` the trainer's log-softmax at each."""
     return {
-        "art_prob_abs_diff_mean": (served.exp() - ours.exp()).abs().mean().item(),
+        "art_prob_abs_diff_mean": (served.exp() - ours.double().exp()).abs().mean().item(),
         "art_top20_kl_mean": sum(topk_kl(top, row) for top, row in zip(tops, rows, strict=True)) / len(tops),
     }
 
@@ -112,34 +111,28 @@ class TrainInferenceMismatchStage(Stage):
         except ServingError as exc:
             return cannot_serve(self, ctx, exc)
         sequences = [p + list(s["token_ids"]) for p, s in zip(prompts, samples, strict=True)]
-        served = [torch.tensor(s["logprobs"]["token_logprobs"], dtype=torch.float64) for s in samples]
+        served = torch.cat([torch.tensor(s["logprobs"]["token_logprobs"], dtype=torch.float64) for s in samples])
+        tops = [
+            {int(key.removeprefix("token_id:")): lp for key, lp in top.items()}
+            for s in samples
+            for top in s["logprobs"]["top_logprobs"]
+        ]
         trainers = {
             "": session.megatron_logprobs(ctx, sequences),
             "hf_": session.trainer_logprobs(ctx, adapter, sequences),
         }
         metrics: dict[str, float | int | str] = {}
         for prefix, rows in trainers.items():
-            delta = torch.cat(
-                [
-                    lp - session.token_logprobs(ref, seq, len(prompt))
-                    for prompt, seq, lp, ref in zip(prompts, sequences, served, rows, strict=True)
-                ]
+            ours = torch.cat(
+                [session.token_logprobs(ref, seq, len(p)) for p, seq, ref in zip(prompts, sequences, rows, strict=True)]
             )
-            metrics |= {prefix + k: v for k, v in mismatch(delta).items()}
-        tops = [
-            {int(key.removeprefix("token_id:")): lp for key, lp in top.items()}
-            for s in samples
-            for top in s["logprobs"]["top_logprobs"]
-        ]
-        positions = [torch.arange(len(p), len(seq)) for p, seq in zip(prompts, sequences, strict=True)]
-        metrics |= art_figures(
-            torch.cat(served),
-            tops,
-            torch.cat([rows[at - 1] for rows, at in zip(trainers[""], positions, strict=True)]),
-            torch.cat([torch.tensor(seq)[at] for seq, at in zip(sequences, positions, strict=True)]),
-        )
+            metrics |= {prefix + k: v for k, v in mismatch(served - ours).items()}
+            if not prefix:  # ART's figures: the server against the Megatron trainer
+                pairs = zip(prompts, sequences, rows, strict=True)
+                at = torch.cat([ref[len(p) - 1 : len(seq) - 1] for p, seq, ref in pairs])
+                metrics |= art_figures(served, ours, tops, at)
         metrics |= {
-            "sampled_tokens": sum(len(lp) for lp in served),
+            "sampled_tokens": served.numel(),
             "prompt_lengths": "+".join(str(len(p)) for p in prompts),
             "serving_dtype": server.options.dtype,
             "served_model": server.served_name,
