@@ -595,6 +595,10 @@ def _lora_update(branch: Callable[[Any, torch.Tensor], torch.Tensor]) -> Abstrac
     return mock.patch.object(LoraLinear, "forward", forward)
 
 
+def _recompute_loses_row_layout() -> AbstractContextManager[Any]:
+    return mock.patch("model_support.core.megatron.forward.RowState.again_in_backward", lambda _self, _out: None)
+
+
 def _lora_input_detached() -> AbstractContextManager[Any]:
     def branch(self: Any, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.nn.functional.linear(x.detach().to(self.lora_A.weight.dtype), self.lora_A.weight)
@@ -673,6 +677,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              _base_left_trainable),
     Mutation("packed-boundaries-ignored", "a packed row is one sequence (position ids do not restart)", "qwen3",
              "packed_position_ids", _boundaries_ignored),
+    Mutation("recompute-loses-row-layout", "a packed row's layout is off the layers when the backward recomputes "
+             "them", "qwen3", "packed_position_ids", _recompute_loses_row_layout),
     Mutation("gdn-state-not-reset", "GDN layers carry state across packed sequence boundaries", "qwen3.5",
              "packed_position_ids", _gdn_state_not_reset),
     Mutation("completion-rope-at-row-index", "shared-prefix rows: completions rotated by row index, not position",

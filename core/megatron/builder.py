@@ -458,6 +458,18 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
     parallel |= config is not None and config.pipeline_model_parallel_size * config.context_parallel_size > 1
     if parallel and not torch.cuda.is_available():
         _collectives_on_cpu()
+    if config is not None and config.recompute_granularity and not torch.cuda.is_available():
+        _recompute_on_cpu()
+
+
+def _recompute_on_cpu() -> None:
+    """megatron-core's activation recompute saves the CUDA RNG states with the CPU's before each recomputed layer
+    and restores them in the backward, outside any call of ours; on a host without CUDA there is only the CPU's
+    (module functions, looked up at every call)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
+    tp_random._set_all_rng_states = lambda cpu, _cuda, _tracker: torch.set_rng_state(cpu)
 
 
 def _collectives_on_cpu() -> None:

@@ -54,30 +54,55 @@ def _rotary_at(module: torch.nn.Module, positions: torch.Tensor, length: int) ->
     return forward
 
 
-@contextmanager
-def packed_rows(model: torch.nn.Module, rows: RowLayout | None) -> Iterator[None]:
-    """Let ``model``'s attention and Gated DeltaNet layers see the row's layout during a forward; a row with
-    shared prefixes also gets each token's rotary embedding at its true position (a completion's continue its
-    prompt's; a plain packed row needs none: within a sequence only distances matter)."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+class RowState:
+    """What a packed row's layout sets on a model: each attention and Gated DeltaNet layer's ``rows``, and for a
+    row with shared prefixes each rotary embedding's forward at the tokens' true positions (a completion's continue
+    its prompt's; a plain packed row needs none: within a sequence only distances matter)."""
 
-    layers = [*_attention_cores(model), *_gdn_layers(model)]
-    rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)] if rows and rows.shared else []
-    # Only the outermost: an embedding built from others (Gemma 3's) calls their forward itself.
-    inner = {id(child) for m in rotary for child in m.modules() if child is not m}
-    rotary = [m for m in rotary if id(m) not in inner]
-    for layer in layers:
-        layer.rows = rows
-    for module in rotary:
-        positions = rows.positions_on(next(model.parameters()).device)
-        module.forward = _rotary_at(module, positions, int(rows.positions.max()) + 1)
-    try:
-        yield
-    finally:
-        for layer in layers:
+    def __init__(self, model: torch.nn.Module, rows: RowLayout | None) -> None:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self.rows = rows
+        self.layers = [*_attention_cores(model), *_gdn_layers(model)]
+        rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        # Only the outermost: an embedding built from others (Gemma 3's) calls their forward itself.
+        inner = {id(child) for m in rotary for child in m.modules() if child is not m}
+        self.rotary = [m for m in rotary if id(m) not in inner]
+        self._device = next(model.parameters()).device
+
+    def enter(self) -> None:
+        self.leave()
+        for layer in self.layers:
+            layer.rows = self.rows
+        if self.rows is not None and self.rows.shared:
+            positions = self.rows.positions_on(self._device)
+            for module in self.rotary:
+                module.forward = _rotary_at(module, positions, int(self.rows.positions.max()) + 1)
+
+    def leave(self) -> None:
+        for layer in self.layers:
             layer.rows = None
-        for module in rotary:
-            del module.forward  # back to the class's forward
+        for module in self.rotary:
+            module.__dict__.pop("forward", None)  # back to the class's forward
+
+    def again_in_backward(self, out: torch.Tensor) -> None:
+        """Set the layout again when the backward reaches ``out``: megatron-core's activation recompute runs each
+        layer's forward once more inside the backward, after the forward's :func:`packed_rows` has closed. It stays
+        set after: the next forward sets its own, and :func:`forward_backward` clears it when the step ends."""
+        if self.rows is not None and out.requires_grad:
+            out.register_hook(lambda grad: self.enter())
+
+
+@contextmanager
+def packed_rows(model: torch.nn.Module, rows: RowLayout | None) -> Iterator[RowState]:
+    """Let ``model``'s token mixers (and, for shared prefixes, its rotary embeddings) see the row's layout during a
+    forward (:class:`RowState`)."""
+    state = RowState(model, rows)
+    state.enter()
+    try:
+        yield state
+    finally:
+        state.leave()
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -198,8 +223,9 @@ def logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.
     """
     device = next(model.parameters()).device
     input_ids, position_ids, rows = _prepare(input_ids, position_ids, device)
-    with packed_rows(model, rows):
+    with packed_rows(model, rows) as layout:
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    layout.again_in_backward(out)
     return _full_vocab(out, model)
 
 
@@ -366,8 +392,9 @@ def forward_backward(
     def step(data: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data)
         ids, positions, rows = _prepare(micro.input_ids, micro.position_ids, device)
-        with packed_rows(model, rows):
+        with packed_rows(model, rows) as layout:
             out = model(input_ids=split_batch(ids), position_ids=split_batch(positions), attention_mask=None)
+        layout.again_in_backward(out)
 
         def loss(output: torch.Tensor):
             if loss_inputs == "logits":
@@ -390,16 +417,20 @@ def forward_backward(
 
     # The interleaved schedule takes one iterator per chunk, each yielding every micro-batch.
     data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-    with on_cpu_device(device):
-        losses = get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=data,
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=micro_batches,
-            seq_length=seq,  # the schedule divides by context (and sequence) parallelism itself
-            micro_batch_size=size,
-            forward_only=forward_only,
-        )
+    try:
+        with on_cpu_device(device):
+            losses = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=data,
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=micro_batches,
+                seq_length=seq,  # the schedule divides by context (and sequence) parallelism itself
+                micro_batch_size=size,
+                forward_only=forward_only,
+            )
+    finally:
+        for chunk in chunks:  # the layouts the backward set again
+            RowState(chunk, None).leave()
     last = parallel_state.is_pipeline_last_stage()
     loss = torch.stack([item["loss"] for item in losses]) if last else torch.zeros(1, device=device)
     if normalize == "global_tokens":
