@@ -595,6 +595,17 @@ def _lora_update(branch: Callable[[Any, torch.Tensor], torch.Tensor]) -> Abstrac
     return mock.patch.object(LoraLinear, "forward", forward)
 
 
+def _prefix_cache_kept() -> AbstractContextManager[Any]:
+    from model_support.core.serving.vllm_backend import VllmServer
+
+    request = VllmServer.request
+
+    def kept(self: VllmServer, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+        return None if path.startswith("/reset_prefix_cache") else request(self, path, body, timeout)
+
+    return mock.patch.object(VllmServer, "request", kept)
+
+
 def _recompute_loses_row_layout() -> AbstractContextManager[Any]:
     return mock.patch("model_support.core.megatron.forward.RowState.again_in_backward", lambda _self, _out: None)
 
@@ -699,6 +710,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "rl_trainability", _served_q_halves_swapped, needs_server=True),
     Mutation("weight-version-kept", "a push applies its weights but does not advance the server's weight version",
              "qwen3", "rl_trainability", _weight_version_kept, needs_server=True),
+    Mutation("prefix-cache-kept", "a push in place leaves vLLM's prefix cache of the old weights", "qwen3",
+             "merged_serving", _prefix_cache_kept, needs_server=True),
     Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
              "merged_serving", _export_drops_a_tensor, needs_server=True),
     Mutation("push-keeps-last-bucket", "a push sends only its last bucket of merged weights", "qwen3",

@@ -16,6 +16,7 @@ reference.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,51 @@ def serve_policy(ctx: CheckContext) -> Server:
         api.push_weights(running, policy_model(ctx), bucket_bytes=push_bucket_bytes(ctx))
         shared.holds = "policy"
     return running
+
+
+# A prompt longer than two of vLLM's KV blocks (128 tokens on its CPU build, 16 on a GPU): only whole blocks are cached.
+CACHE_PROBE_TOKENS = 272
+_NEXT_TOKEN = {"max_tokens": 1, "temperature": 0.0, "logprobs": 5}
+
+
+def serve_policy_probed(ctx: CheckContext) -> tuple[Server, dict[str, float | int] | None]:
+    """:func:`serve_policy`, and where it pushes in place, what the push left in vLLM's prefix cache: a probe
+    prompt sent twice at the old weights (the second reads whole blocks from the cache:
+    ``prefix_cache_tokens_before_push``, 0 where the server caches none) and again after the push, which must
+    read none of them (``prefix_cache_tokens_after_push``), and whose greedy next token's top log-probabilities
+    must equal those of the same prompt under a cache salt of its own, computed afresh
+    (``prefix_cache_logprob_max_abs_err``). None where nothing was pushed here."""
+    running = server(ctx)
+    if inplace_gap(ctx) is not None or ctx.state.get(SERVER).holds == "policy":
+        return serve_policy(ctx), None
+    probe = random_prompts(ctx, 1, CACHE_PROBE_TOKENS)
+    for prompt in probe:
+        running.completion(prompt, **_NEXT_TOKEN)
+    start = running.prefix_cache_hits()
+    for prompt in probe:
+        running.completion(prompt, **_NEXT_TOKEN)
+    before = running.prefix_cache_hits()
+    served = serve_policy(ctx)
+    cached = [served.completion(prompt, **_NEXT_TOKEN) for prompt in probe]
+    after = served.prefix_cache_hits()
+    salt = "fresh-" + re.sub(r"[^\w.-]", "-", served.served_name)  # vLLM refuses '@' and '/' in a salt
+    fresh = [served.completion(prompt, cache_salt=salt, **_NEXT_TOKEN) for prompt in probe]
+    if start is None or before is None or after is None:
+        return served, None
+    return served, {
+        "prefix_cache_tokens_before_push": before - start,
+        "prefix_cache_tokens_after_push": after - before,
+        "prefix_cache_logprob_max_abs_err": max(_top_gap(c, f) for c, f in zip(cached, fresh, strict=True)),
+    }
+
+
+def _top_gap(first: dict[str, Any], second: dict[str, Any]) -> float:
+    """The largest |log p| difference over the next token's top tokens of two answers (inf where they differ in
+    which tokens they list)."""
+    a, b = first["logprobs"]["top_logprobs"][0], second["logprobs"]["top_logprobs"][0]
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(abs(a[token] - b[token]) for token in a)
 
 
 def megatron_logprobs(ctx: CheckContext, sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -330,6 +330,18 @@ class VllmServer:
         """The LoRA adapter :meth:`update_adapter` serves now (``None``: none yet)."""
         return None if self._adapter is None else self._adapter[0]
 
+    def prefix_cache_hits(self) -> int | None:
+        """The prompt tokens vLLM read from its prefix cache since it started (``vllm:prefix_cache_hits`` on
+        ``/metrics``, summed over engines); None where the server reports no such counter."""
+        text = self.request("/metrics")
+        # Prometheus' text format, one "name{labels} value" line per engine: one counter needs no parser.
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in str(text).splitlines()
+            if line.startswith(("vllm:prefix_cache_hits_total{", "vllm:prefix_cache_hits_total "))
+        ]
+        return int(sum(values)) if values else None
+
     def rename(self, name: str) -> None:
         """Serve the base model under ``name`` from now on (see ``vllm_ext/ms_vllm_ext.py``)."""
         self.request("/model_support/served_model_name", {"name": name})

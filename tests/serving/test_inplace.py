@@ -24,6 +24,17 @@ TARGETS = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modul
 FP32_TOL = 1e-4
 
 
+# Longer than two of the CPU build's 128-token KV blocks: only whole blocks enter the prefix cache.
+CACHED_PROMPT = PROMPT * 27
+
+
+def _cached_tokens_read(server: Server) -> int:
+    """How many prompt tokens one more request for ``CACHED_PROMPT`` reads from the server's prefix cache."""
+    start = server.prefix_cache_hits()
+    server.completion(CACHED_PROMPT, max_tokens=1, temperature=0.0)
+    return server.prefix_cache_hits() - start
+
+
 def _served(server: Server, model: str | None = None) -> torch.Tensor:
     choice = server.completion(PROMPT, model=model, max_tokens=1, temperature=0.0, prompt_logprobs=0)
     return torch.tensor(
@@ -67,7 +78,10 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
                     assert (_served(server) - previous).abs().max().item() < 1e-6
                 yield part
 
+        _cached_tokens_read(server)
+        assert _cached_tokens_read(server) >= 256  # the prompt's whole blocks, cached at the old weights
         assert update(stream()) == f"qwen3@{step}"
+        assert _cached_tokens_read(server) == 0  # the swap reset the prefix cache
         assert server.models() == [f"qwen3@{step}"]
         assert server.pid == pid and server.process.alive()
         with pytest.raises(ServerError, match=rf"404.*qwen3@{step - 1}.*does not exist"):

@@ -14,6 +14,10 @@ The adapter's own merged export (``export_merged``: the checkpoint plus the expo
 PEFT and vLLM read from its config, what a user serving that adapter merged runs) must equal the weights the
 trainer pushes, tensor by tensor over every tensor the adapter changes, within one rounding to the checkpoint's
 dtype and 1e-5 beyond it (``export_merged_beyond_rounding``), none missing (``export_tensors_missing``).
+
+The push must also leave no KV block of the old weights in vLLM's prefix cache: a probe prompt cached before the
+push reads none of it after (``prefix_cache_tokens_after_push``: 0), and its greedy next token's log-probabilities
+equal those of the same prompt under a cache salt of its own (``serving_session.serve_policy_probed``).
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ class MergedServingStage(Stage):
         adapter, origin = session.policy_adapter(ctx)
         prompts = session.random_prompts(ctx, self.prompts, self.prompt_len)
         try:
-            server = session.serve_policy(ctx)
+            server, cache = session.serve_policy_probed(ctx)
             choices = [
                 server.completion(p, max_tokens=1, temperature=0.0, prompt_logprobs=0, logprobs=0) for p in prompts
             ]
@@ -184,6 +188,7 @@ class MergedServingStage(Stage):
         metrics = {
             **own,
             **export,
+            **(cache or {}),
             "prompt_logprob_max_abs_err": delta.max().item(),
             "prompt_logprob_mean_abs_err": delta.mean().item(),
             "greedy_regret_max": max(regrets),
@@ -212,14 +217,26 @@ class MergedServingStage(Stage):
                 else ""
             ),
         ]
+        limits = {
+            "prompt_logprob_max_abs_err": tol,
+            "greedy_regret_max": tol,
+            "export_merged_beyond_rounding": EXPORT_BEYOND_ROUNDING,
+            "export_tensors_missing": 0,
+        }
+        if cache is None:
+            details.append("prefix cache after the push: not probed (no push in place in this stage)")
+        elif not cache["prefix_cache_tokens_before_push"]:
+            details.append("prefix cache after the push: not probed (the server cached none of the probe's blocks)")
+        else:
+            details.append(
+                f"prefix cache: {cache['prefix_cache_tokens_before_push']} probe tokens read from it before the push, "
+                f"{cache['prefix_cache_tokens_after_push']} after; the next token's top log-probabilities against a "
+                f"cache salt of its own: {cache['prefix_cache_logprob_max_abs_err']:.2e}"
+            )
+            limits |= {"prefix_cache_tokens_after_push": 0, "prefix_cache_logprob_max_abs_err": tol}
         return self.judge(
             metrics,
-            {
-                "prompt_logprob_max_abs_err": tol,
-                "greedy_regret_max": tol,
-                "export_merged_beyond_rounding": EXPORT_BEYOND_ROUNDING,
-                "export_tensors_missing": 0,
-            },
+            limits,
             f"{metrics['tokens_compared']} prompt tokens within {tol:g} ({dtype})",
             details,
             ctx=ctx,
