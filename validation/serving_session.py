@@ -282,9 +282,9 @@ def serve_policy_probed(ctx: CheckContext) -> tuple[Server, dict[str, float | in
     read none of them (``prefix_cache_tokens_after_push``), and whose greedy next token's top log-probabilities
     must equal those of the same prompt under a cache salt of its own, computed afresh
     (``prefix_cache_logprob_max_abs_err``). None where nothing was pushed here."""
-    running = server(ctx)
     if inplace_gap(ctx) is not None or ctx.state.get(SERVER).holds == "policy":
         return serve_policy(ctx), None
+    running = server(ctx)
     probe = random_prompts(ctx, 1, CACHE_PROBE_TOKENS)
     for prompt in probe:
         running.completion(prompt, **_NEXT_TOKEN)
