@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -606,6 +607,23 @@ def _prefix_cache_kept() -> AbstractContextManager[Any]:
     return mock.patch.object(VllmServer, "request", kept)
 
 
+def _adapter_alias_reused() -> AbstractContextManager[Any]:
+    from model_support.core.serving.vllm_backend import VllmServer
+
+    update_adapter = VllmServer.update_adapter
+
+    def reused(self: VllmServer, adapter_dir: Path) -> str:
+        if self._adapter is None:  # the first swap loads as the real one does
+            return update_adapter(self, adapter_dir)
+        name, copy = self._adapter
+        self.unload_lora(name)
+        shutil.rmtree(copy)
+        self.load_lora(name, self._adapter_copy(adapter_dir, name))
+        return name
+
+    return mock.patch.object(VllmServer, "update_adapter", reused)
+
+
 def _recompute_loses_row_layout() -> AbstractContextManager[Any]:
     return mock.patch("model_support.core.megatron.forward.RowState.again_in_backward", lambda _self, _out: None)
 
@@ -712,6 +730,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "qwen3", "rl_trainability", _weight_version_kept, needs_server=True),
     Mutation("prefix-cache-kept", "a push in place leaves vLLM's prefix cache of the old weights", "qwen3",
              "merged_serving", _prefix_cache_kept, needs_server=True),
+    Mutation("adapter-alias-reused", "a LoRA hot-swap serves the new adapter under the old one's name", "qwen3",
+             "rl_trainability", _adapter_alias_reused, needs_server=True),
     Mutation("export-drops-a-tensor", "pushed weights: layer 0's q_proj left out of the update", "qwen3",
              "merged_serving", _export_drops_a_tensor, needs_server=True),
     Mutation("push-keeps-last-bucket", "a push sends only its last bucket of merged weights", "qwen3",

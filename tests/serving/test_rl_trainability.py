@@ -1,5 +1,6 @@
-"""rl_trainability fails a push that slices weights into the wrong place, though training itself works, and a push
-whose weights are applied without the server's weight version advancing (sampled tokens then claim stale weights)."""
+"""rl_trainability fails a push that slices weights into the wrong place, though training itself works, a push
+whose weights are applied without the server's weight version advancing (sampled tokens then claim stale weights),
+and counts a push that does not serve under the next step's name."""
 
 from __future__ import annotations
 
@@ -57,3 +58,13 @@ def test_q_halves_swapped_in_the_pushed_weights_fail_the_stage(runtime, tmp_path
     # loop (hot-swapped adapters: neither bug touches it) learned.
     assert metrics["stale_served_names"] == 0 and metrics["base_params_changed"] == 0
     assert metrics["lora_final_reward"] >= 0.9
+
+
+def test_a_push_that_does_not_serve_under_the_next_steps_name_is_counted() -> None:
+    from model_support.validation.stages.rl_trainability import _not_advanced
+
+    assert _not_advanced(["qwen3-lora@1", "qwen3-lora@2", "qwen3-lora@3"]) == 0
+    assert _not_advanced(["qwen3@4", "qwen3@5"]) == 0
+    assert _not_advanced(["qwen3-lora@1", "qwen3-lora@1", "qwen3-lora@1"]) == 2  # the alias reused
+    assert _not_advanced(["qwen3@1", "qwen3@3"]) == 1  # a step skipped
+    assert _not_advanced(["qwen3@1", "other@2"]) == 1  # another model's name

@@ -19,11 +19,13 @@ otherwise), each from a fresh LoRA (B = 0: the first merged push serves the base
 vLLM's token-in-token-out route, so each carries the version of the weights that sampled it. Pass, in every mode:
 the mean reward of a step reaches ``1 - reward_gap`` within ``max_steps``; the trainer and the server agree on
 every step within the serving dtype's limits; the server lists the last pushed name and no earlier one; every
-token was sampled by the weights last pushed (``stale_tokens``); no base weight changed.
+token was sampled by the weights last pushed (``stale_tokens``); every push served under the next step's name
+(``served_names_not_advanced``); no base weight changed.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,6 +73,15 @@ class _Run:
     listed: list[str] = field(default_factory=list)
 
 
+def _not_advanced(names: list[str]) -> int:
+    """How many pushes did not serve under the next step's name (``model@N`` -> ``model@N+1``): a client told the
+    new name must never reach the weights of an earlier step, nor the old name the new weights."""
+    from model_support.core.serving.update import parse_served_name
+
+    steps = [parse_served_name(name) for name in names]
+    return sum(now != (before[0], before[1] + 1) for before, now in itertools.pairwise(steps))
+
+
 class RlTrainabilityStage(Stage):
     name = "rl_trainability"
     title = "An RL loop on the API (sample from vLLM, score in Megatron, LoRA step, push) reaches reward 0.9."
@@ -80,6 +91,7 @@ class RlTrainabilityStage(Stage):
     thresholds: ClassVar[dict[str, float]] = {
         "reward_gap": 0.1,
         "stale_served_names": 0,
+        "served_names_not_advanced": 0,
         "stale_tokens": 0,
         "base_params_changed": 0,
     }
@@ -153,6 +165,7 @@ class RlTrainabilityStage(Stage):
             **worst,
             "samples_per_step": self.group * len(prompt_ids),
             "stale_served_names": sum(len(set(r.listed) - {r.names[-1]}) + (r.names[-1] not in r.listed) for r in runs),
+            "served_names_not_advanced": sum(_not_advanced(run.names) for run in runs),
             "stale_tokens": sum(run.stale_tokens or 0 for run in runs),
             "served_model": runs[-1].names[-1],
             "base_params_changed": len(changed),
