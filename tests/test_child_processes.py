@@ -37,6 +37,9 @@ def _start_check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
         stdout=(tmp_path / "stdout").open("w"),
         stderr=(tmp_path / "stderr").open("w"),
         text=True,
+        # A check keeps a stop signal it was started with ignored (a background job's SIGINT): the tests that send
+        # one start it as a terminal would, whatever pytest itself was started with.
+        preexec_fn=lambda: [signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)],
     )
 
 
