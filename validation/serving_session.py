@@ -263,11 +263,15 @@ def serve_policy(ctx: CheckContext) -> Server:
         with timing.phase("server_start"):
             return policy_server.wait_ready()
     running = server(ctx)
-    shared = ctx.state.get(SERVER)
-    if shared.holds != "policy":
+    if _push_pending(ctx):
         api.push_weights(running, policy_model(ctx), bucket_bytes=push_bucket_bytes(ctx))
-        shared.holds = "policy"
+        ctx.state.get(SERVER).holds = "policy"
     return running
+
+
+def _push_pending(ctx: CheckContext) -> bool:
+    """Whether :func:`serve_policy` pushes the policy in place into the run's shared server when called next."""
+    return inplace_gap(ctx) is None and ctx.state.get(SERVER).holds != "policy"
 
 
 # A prompt longer than two of vLLM's KV blocks (128 tokens on its CPU build, 16 on a GPU): only whole blocks are cached.
@@ -276,13 +280,14 @@ _NEXT_TOKEN = {"max_tokens": 1, "temperature": 0.0, "logprobs": 5}
 
 
 def serve_policy_probed(ctx: CheckContext) -> tuple[Server, dict[str, float | int] | None]:
-    """:func:`serve_policy`, and where it pushes in place, what the push left in vLLM's prefix cache: a probe
-    prompt sent twice at the old weights (the second reads whole blocks from the cache:
+    """:func:`serve_policy`, and where it pushes in place, what the push left in vLLM's prefix cache: probe
+    prompts (:data:`CACHE_PROBE_TOKENS` and a long one) sent twice at the old weights (the second reads whole blocks
+    from the cache:
     ``prefix_cache_tokens_before_push``, 0 where the server caches none) and again after the push, which must
     read none of them (``prefix_cache_tokens_after_push``), and whose greedy next token's top log-probabilities
     must equal those of the same prompt under a cache salt of its own, computed afresh
     (``prefix_cache_logprob_max_abs_err``). None where nothing was pushed here."""
-    if inplace_gap(ctx) is not None or ctx.state.get(SERVER).holds == "policy":
+    if not _push_pending(ctx):
         return serve_policy(ctx), None
     running = server(ctx)
     probe = random_prompts(ctx, 1, CACHE_PROBE_TOKENS)

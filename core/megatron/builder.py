@@ -417,8 +417,7 @@ def _cpu_as_current_device() -> Iterator[None]:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.zeros = zeros
-    tp_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
-    tp_random._set_all_rng_states = lambda cpu, _cuda, _tracker: torch.set_rng_state(cpu)
+    _rng_states_on_cpu()
     try:
         yield
     finally:
@@ -459,13 +458,14 @@ def _keep_on_cpu(model: torch.nn.Module) -> None:
     if parallel and not torch.cuda.is_available():
         _collectives_on_cpu()
     if config is not None and config.recompute_granularity and not torch.cuda.is_available():
-        _recompute_on_cpu()
+        # The recompute's backward saves and restores the RNG states outside any call of ours: for good here.
+        _rng_states_on_cpu()
 
 
-def _recompute_on_cpu() -> None:
+def _rng_states_on_cpu() -> None:
     """megatron-core's activation recompute saves the CUDA RNG states with the CPU's before each recomputed layer
-    and restores them in the backward, outside any call of ours; on a host without CUDA there is only the CPU's
-    (module functions, looked up at every call)."""
+    and restores them in the backward; on the CPU there is only the CPU's (module functions, looked up at every
+    call)."""
     from megatron.core.tensor_parallel import random as tp_random
 
     tp_random._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
