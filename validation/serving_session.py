@@ -88,8 +88,27 @@ def serving_dtype(ctx: CheckContext) -> tuple[str, str]:
     return stored, "the checkpoint's own"
 
 
+# vLLM's default share of a GPU (90 %) leaves the check's Megatron model on the same GPU no room: on a GPU a
+# server takes the checkpoint's size and this much more for its activations, KV cache and LoRA slots.
+GPU_SERVER_ALLOWANCE_BYTES = 8 << 30
+
+
+def _stored_bytes(ctx: CheckContext) -> int:
+    return sum(f.stat().st_size for f in Path(ctx.model_dir).glob("*.safetensors"))
+
+
+def gpu_memory_share(ctx: CheckContext) -> float | None:
+    """The share of the GPU a server of the run takes (``None`` off a GPU: vLLM's default, unused by the CPU
+    build): the checkpoint as stored plus :data:`GPU_SERVER_ALLOWANCE_BYTES`, at most vLLM's own 0.9."""
+    if load_runtime().flavor != "gpu" or not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    return round(min(0.9, (_stored_bytes(ctx) + GPU_SERVER_ALLOWANCE_BYTES) / total), 3)
+
+
 def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptions:
-    """How the run's servers start: :func:`serving_dtype`, LoRA as asked, the model's MoE and multimodal shape."""
+    """How the run's servers start: :func:`serving_dtype`, LoRA as asked, the model's MoE and multimodal shape,
+    :func:`gpu_memory_share` of a GPU."""
     dtype, _ = serving_dtype(ctx)
     return ServeOptions(
         dtype=dtype,
@@ -97,6 +116,7 @@ def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptio
         max_lora_rank=LORA_RANK,
         moe=ctx.layout.moe is not None,
         language_model_only=getattr(ctx.config, "vision_config", None) is not None,
+        gpu_memory_utilization=gpu_memory_share(ctx),
     )
 
 
@@ -109,8 +129,7 @@ PUSH_BUCKETS = 4
 def push_bucket_bytes(ctx: CheckContext) -> int:
     """The bucket size of the check's pushes: a quarter of the checkpoint (:data:`PUSH_BUCKETS`), at most the
     API's default (what trainers push at real width)."""
-    stored = sum(f.stat().st_size for f in Path(ctx.model_dir).glob("*.safetensors"))
-    return max(1, min(api.DEFAULT_BUCKET_BYTES, stored // PUSH_BUCKETS))
+    return max(1, min(api.DEFAULT_BUCKET_BYTES, _stored_bytes(ctx) // PUSH_BUCKETS))
 
 
 @dataclass

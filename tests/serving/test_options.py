@@ -77,3 +77,22 @@ def test_extra_args_may_not_take_what_the_servers_handle_depends_on(arg: str) ->
     with pytest.raises(ValueError, match=rf"extra_args '{re.escape(arg)}': {arg.split('=')[0]} is set by the project"):
         ServeOptions(extra_args=(arg, "x")).vllm_args()
     assert ServeOptions(extra_args=("--seed", "3")).vllm_args()[-2:] == ["--seed", "3"]
+
+
+def test_a_check_server_takes_its_checkpoint_and_an_allowance_of_a_gpu(tmp_path: Path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from model_support.validation import serving_session
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (2 << 30 >> 4))  # 128 MiB
+    ctx = SimpleNamespace(model_dir=tmp_path)
+    monkeypatch.setattr(serving_session, "load_runtime", lambda: SimpleNamespace(flavor="cpu"))
+    assert serving_session.gpu_memory_share(ctx) is None  # the CPU build: vLLM's own default, unused there
+    monkeypatch.setattr(serving_session, "load_runtime", lambda: SimpleNamespace(flavor="gpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 << 30))
+    assert serving_session.gpu_memory_share(ctx) == round((128 / 1024 + 8) / 80, 3)  # 0.102, not vLLM's 0.9
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=4 << 30))
+    assert serving_session.gpu_memory_share(ctx) == 0.9
