@@ -601,3 +601,30 @@ def test_an_error_naming_a_path_with_markup_is_printed_as_written(tmp_path: Path
     odd = tmp_path / "run[/]s[bold]"
     line = _one_line_error(run_cli("check", str(odd)))
     assert f"{odd}" in line and "neither a directory" in line
+
+
+def test_the_chat_renderers_memory_limit_leaves_out_its_libraries(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renderer's limit holds a template's memory, not the address space of the libraries it imports: under a
+    2 GiB limit (less than torch's libraries map here) a template still renders and a huge string still fails."""
+    from model_support.core.errors import ModelSupportError
+    from model_support.validation import context
+    from model_support.validation.context import CheckContext
+    from model_support.validation.state import RunState
+
+    model_dir = _tiny_copy(tiny_model_dir, "qwen3", tmp_path)
+    monkeypatch.setattr(context, "CHAT_RENDER_MAX_BYTES", 2 * 2**30)
+    ctx = CheckContext.__new__(CheckContext)
+    ctx.model_dir = model_dir
+    ctx.state = RunState(ctx)
+    try:
+        (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+        assert ctx.chat_prompts([[{"role": "user", "content": "hi"}]]) == ["hi!"]
+        ctx.state.close()
+        ctx.state = RunState(ctx)
+        (model_dir / "chat_template.jinja").write_text('{{ "x" * 3000000000 }}')
+        with pytest.raises(ModelSupportError, match="failed to render: MemoryError"):
+            ctx.chat_prompts([[{"role": "user", "content": "hi"}]])
+    finally:
+        ctx.state.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -19,7 +20,9 @@ from model_support.validation.state import Resource, RunState, stop_value
 # Limits of one rendering of the check's conversations by a checkpoint's chat template (CheckContext.chat_prompts).
 CHAT_RENDER_LIMIT_S = 60  # loading the tokenizer included
 CHAT_RENDER_MAX_CHARS = 1_000_000
-CHAT_RENDER_MAX_BYTES = 8 * 2**30  # the child's address space
+# The child's data (heap and private mappings: RLIMIT_DATA), not its address space: that counts the shared libraries
+# of torch, which transformers imports (3.5 GB for the CPU build, gigabytes more for a CUDA build's).
+CHAT_RENDER_MAX_BYTES = 8 * 2**30
 
 if TYPE_CHECKING:
     from model_support.core.layout import ModelLayout
@@ -97,7 +100,7 @@ class ChatRenderer:
 
     def start(self) -> ChatRenderer:
         def limit_memory() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (CHAT_RENDER_MAX_BYTES, CHAT_RENDER_MAX_BYTES))
+            resource.setrlimit(resource.RLIMIT_DATA, (CHAT_RENDER_MAX_BYTES, CHAT_RENDER_MAX_BYTES))
 
         if self._proc is None:
             script = Path(__file__).with_name("chat_render.py")
@@ -156,7 +159,8 @@ class ChatRenderer:
             self._proc.wait()
             for pipe in (self._proc.stdin, self._proc.stdout):
                 if pipe is not None:
-                    pipe.close()
+                    with contextlib.suppress(BrokenPipeError):  # stdin's unsent bytes, to a child that is gone
+                        pipe.close()
             self._stderr.close()
             self._proc = None
 

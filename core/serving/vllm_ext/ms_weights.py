@@ -181,13 +181,11 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
             step.received[name] = tensor
 
     def _apply(self, step: _Step) -> None:
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
         missing = sorted(set(step.expected) - set(step.received))
         if missing:
             raise ValueError(f"the last bucket came with {len(missing)} announced tensor(s) missing: {missing[:3]}")
         received, self._step = step.received, None
-        reload_weights(self.vllm_config, self.model, iter(received.items()), None, True)
+        _reload_in_place(self.vllm_config, self.model, received)
         self.applied += 1
 
     @staticmethod
@@ -199,6 +197,22 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
     def shutdown(self) -> None:
         self._step = None
         self._group = None
+
+
+def _reload_in_place(vllm_config: Any, model: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Checkpoint-format weights loaded into the served model in place, by what the running vLLM offers: its
+    ``reload_weights`` (``model_loader.reload.inplace``: 0.32 has it), else the layerwise steps that vLLM 0.26's
+    model runner takes in its own ``reload_weights`` (0.26 has no such module)."""
+    try:
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    except ImportError:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(weights.items()))
+        finalize_layerwise_reload(model, vllm_config.model_config)
+        return
+    reload_weights(vllm_config, model, iter(weights.items()), None, True)
 
 
 def _broadcast_root() -> Any:
