@@ -75,3 +75,27 @@ def test_recompute_takes_the_steps_gradients(tiny_model_dir, handler: str) -> No
         assert grads_r.keys() == grads.keys() and any(g.abs().max() > 0 for g in grads.values())
         for name, grad in grads.items():
             torch.testing.assert_close(grads_r[name], grad, rtol=1e-5, atol=1e-7, msg=f"{case}: {name}")
+
+
+def test_shared_prefix_sees_completions_leak_that_a_long_prompt_dilutes(tmp_path) -> None:
+    """The recompute bug (a row's layout off the layers when the backward runs them again) after a 2048-token prompt
+    in bf16: the completions' gradients move by ~2 % (the intruding tokens are a sliver of what each completion
+    attends to, as after 4096 tokens at real width, where it passed), while after ``short_prompt`` tokens they are
+    O(1) wrong and the stage fails."""
+    from unittest import mock
+
+    from model_support.validation.pytest_plugin import CheckRequest, run_check
+    from model_support.validation.stage import Status
+
+    request = CheckRequest(target="qwen3", tiny=True, stages=("shared_prefix",), dtype="bf16")
+    with (
+        mock.patch("model_support.core.megatron.forward.RowState.again_in_backward", lambda _self, _out: None),
+        mock.patch("model_support.validation.megatron_session.long_row", lambda _ctx: 2048),
+    ):
+        report = run_check(request, tmp_path)
+    result = next(r for r in report.results if r.stage == "shared_prefix")
+    m, limit = result.metrics, result.thresholds["grad_mean_abs_pct"]
+    assert m["prompt_tokens"] == 2048 and m["short_prompt_prompt_tokens"] == 16
+    assert result.status is Status.FAIL and "short_prompt_grad_mean_abs_pct" in result.summary
+    assert m["short_prompt_grad_mean_abs_pct"] > 10 * limit
+    assert m["grad_mean_abs_pct"] < m["short_prompt_grad_mean_abs_pct"] / 10
