@@ -28,6 +28,7 @@ One step is, in order:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -206,13 +207,26 @@ def _reload_in_place(vllm_config: Any, model: Any, weights: dict[str, torch.Tens
     try:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
     except ImportError:
+        from vllm.lora.layers import BaseLayerWithLoRA
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        for module in model.modules():
+            if isinstance(module, BaseLayerWithLoRA) and not hasattr(module, "load_weights"):
+                # vLLM 0.32's BaseLayerWithLoRA.load_weights, which 0.26 lacks: a LoRA-wrapped layer (a server
+                # with LoRA on) loads checkpoint weights into the layer it wraps.
+                module.load_weights = functools.partial(_load_into_wrapped, module)
         initialize_layerwise_reload(model)
         model.load_weights(iter(weights.items()))
         finalize_layerwise_reload(model, vllm_config.model_config)
         return
     reload_weights(vllm_config, model, iter(weights.items()), None, True)
+
+
+def _load_into_wrapped(wrapper: Any, weights: Any) -> Any:
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    own = getattr(wrapper.base_layer, "load_weights", None)
+    return own(weights) if callable(own) else AutoWeightsLoader(wrapper.base_layer).load_weights(weights)
 
 
 def _broadcast_root() -> Any:
