@@ -301,10 +301,9 @@ _NEXT_TOKEN = {"max_tokens": 1, "temperature": 0.0, "logprobs": 5}
 def serve_policy_probed(ctx: CheckContext) -> tuple[Server, dict[str, float | int] | None]:
     """:func:`serve_policy`, and where it pushes in place, what the push left in vLLM's prefix cache: probe
     prompts (:data:`CACHE_PROBE_TOKENS` and a long one) sent twice at the old weights (the second reads whole blocks
-    from the cache:
-    ``prefix_cache_tokens_before_push``, 0 where the server caches none) and again after the push, which must
-    read none of them (``prefix_cache_tokens_after_push``), and whose greedy next token's top log-probabilities
-    must equal those of the same prompt under a cache salt of its own, computed afresh
+    from the cache: ``prefix_cache_tokens_before_push``, 0 where the server caches none) and again after the push,
+    which must read none of them (``prefix_cache_tokens_after_push``), and whose greedy next token's top
+    log-probabilities must equal those of the same prompt under a cache salt of its own, computed afresh
     (``prefix_cache_logprob_max_abs_err``). None where nothing was pushed here."""
     if not _push_pending(ctx):
         return serve_policy(ctx), None

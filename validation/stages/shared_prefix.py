@@ -61,7 +61,7 @@ class SharedPrefixStage(Stage):
         metrics = {
             "dtype": built.numerics.dtype_name,
             **metrics,
-            **{f"short_prompt_{k}": v for k, v in short.items() if k != "control_rel_l2"},
+            **{f"short_prompt_{k}": v for k, v in short.items()},
             **self._through_api(ctx, prompt, completions, routing),
         }
         compared = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
