@@ -121,7 +121,7 @@ SHARDED_SHOWN = {
     "lora_coverage": ("adapter_logits_rel_l2", "lora_modules"),
     "lora_gradients": ("long_grad_rel_l2", "packed_grad_rel_l2"),
     "packed_position_ids": ("logits_rel_l2", "grad_mean_abs_pct"),
-    "shared_prefix": ("logits_rel_l2", "grad_mean_abs_pct"),
+    "shared_prefix": ("logits_rel_l2", "grad_mean_abs_pct", "short_prompt_grad_mean_abs_pct"),
     "trainability": ("loss_ratio", "steps"),
 }
 
