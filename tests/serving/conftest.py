@@ -29,10 +29,16 @@ def runtime() -> RuntimeInfo:
 def qwen3_server(runtime, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
     """One server on the tiny Qwen3 replica with LoRA on, shared by the serving tests (a start costs ~35 s): fp32 on
     the CPU build, bf16 on a GPU (vLLM's GPU LoRA kernels take fp16 / bf16 only). Tests that change what it serves
-    leave it serving one name and no adapter; read ``served_name``, not ``@0``."""
+    leave it serving one name and no adapter; read ``served_name``, not ``@0``. On a GPU it takes a fifth of it,
+    leaving room for the servers other tests start beside it (the sleep test's takes half)."""
     log = tmp_path_factory.mktemp("vllm-qwen3") / "vllm.log"
-    dtype = "bfloat16" if runtime.flavor == "gpu" else "float32"
-    options = ServeOptions(dtype=dtype, enable_lora=True, max_model_len=1024)
+    gpu = runtime.flavor == "gpu"
+    options = ServeOptions(
+        dtype="bfloat16" if gpu else "float32",
+        enable_lora=True,
+        max_model_len=1024,
+        gpu_memory_utilization=0.2 if gpu else None,
+    )
     server = get_backend("vllm").serve(tiny_model_dir("qwen3"), "qwen3@0", options, log)
     yield server
     server.stop()

@@ -18,6 +18,7 @@ from model_support.core.serving.backend import Server
 from model_support.core.serving.client import ServerClient
 from model_support.core.serving.errors import ServerError
 from model_support.core.serving.vllm_backend import free_port
+from model_support.core.serving.vllm_features import VllmFeatures
 
 PROMPTS = [[17, 101, 44, 250, 9, 311], [66, 140, 23], [77, 5, 300, 12, 8]]
 GREEDY: dict[str, Any] = {"max_tokens": 4, "temperature": 0.0, "logprobs": 2}
@@ -84,6 +85,31 @@ def test_choices_many_equals_sequential_choices(server):
 def test_n_choices_come_in_index_order(server):
     group = server.choices(PROMPTS[1], n=3, max_tokens=2, temperature=1.0, seed=7)
     assert [c["index"] for c in group] == [0, 1, 2] and all(len(c["token_ids"]) == 2 for c in group)
+
+
+@pytest.mark.slow
+def test_generate_gives_all_n_choices_on_a_vllm_that_answers_with_some(server, monkeypatch: pytest.MonkeyPatch):
+    """vLLM 0.26's generate route answers n > 1 with the choices of the last engine step only; there the server asks
+    one choice at a time, seeded as vLLM seeds its n children, and gets what this vLLM gives for n at once."""
+    sampling = {"n": 4, "max_tokens": 3, "temperature": 1.0, "seed": 11, "logprobs": 0}
+    whole = server.generate(PROMPTS[0], **sampling)
+    monkeypatch.setattr(server, "features", VllmFeatures("0.26.0"))
+    asked, request = [], server.request
+
+    def counted(path: str, body: dict[str, Any]) -> Any:
+        asked.append(body["sampling_params"])
+        return request(path, body)
+
+    monkeypatch.setattr(server, "request", counted)
+    one_by_one = server.generate(PROMPTS[0], **sampling)
+    assert [(a["n"], a["seed"]) for a in asked] == [(1, 11), (1, 12), (1, 13), (1, 14)]
+    assert [c["index"] for c in one_by_one] == [0, 1, 2, 3]
+    assert len({tuple(c["token_ids"]) for c in whole}) > 1  # the seeds differ by choice
+    assert [c["token_ids"] for c in one_by_one] == [c["token_ids"] for c in whole]
+    _assert_close(
+        [e["logprob"] for c in one_by_one for e in c["logprobs"]["content"]],
+        [e["logprob"] for c in whole for e in c["logprobs"]["content"]],
+    )
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ here except through the installed runtime's interpreter (``runtime use``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def test_features_follow_the_release(version: str, scale_out: bool, weight_versi
     assert features.has("scale_out_flag") is scale_out
     assert features.has("weight_version") is weight_version
     assert features.has("token_weight_versions") is token_versions
+    assert features.has("generate_n") is token_versions
 
 
 def test_a_missing_feature_is_refused_in_one_line_naming_the_release():
@@ -52,6 +54,17 @@ def test_the_server_command_has_the_flags_its_vllm_has(tmp_path: Path):
         cmd = server_command(runtime, VllmFeatures(version), tmp_path, "m@0", 8000, ServeOptions())
         assert ("--enable-scale-out" in cmd) is flagged  # 0.26 has no such flag (argparse refuses it)
         assert cmd[:3] == [runtime.python, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+@pytest.mark.parametrize(
+    ("flavor", "flashinfer", "triton"), [("gpu", False, True), ("gpu", True, False), ("cpu", False, False)]
+)
+def test_a_gpu_runtime_without_flashinfer_serves_gdn_with_triton(flavor: str, flashinfer: bool, triton: bool):
+    """vLLM on Hopper asks for FlashInfer's GDN prefill kernel by default; where the runtime has no FlashInfer the
+    server is told to use its Triton kernel (a Qwen3.5 server failed at its first forward without)."""
+    runtime = dataclasses.replace(_runtime("0.26.0"), flavor=flavor, flashinfer=flashinfer)
+    cmd = server_command(runtime, VllmFeatures("0.26.0"), Path("/m"), "m@0", 8000, ServeOptions())
+    assert (cmd[cmd.index("--gdn-prefill-backend") + 1] == "triton") if triton else "--gdn-prefill-backend" not in cmd
 
 
 def test_a_runtime_on_a_path_of_its_own_is_put_after_the_extension():
@@ -131,6 +144,7 @@ def test_runtime_use_records_a_vllm_the_node_already_has(tmp_path: Path):
         installed.distribution,
     )
     assert recorded.pythonpath == (str(tmp_path),) and recorded.managed is False
+    assert recorded.flashinfer is False  # probed: neither build here has FlashInfer
     assert json.loads((tmp_path / "rt" / "runtime.json").read_text())["managed"] is False
 
 

@@ -124,7 +124,8 @@ def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]
     worst, seen = 0.0, set[str]()
     for bucket in api.merged_weights(session.policy_model(ctx)):
         for name, exported in merged_subset(ctx.model_dir, deltas, [n for n in bucket if n in deltas]):
-            worst = max(worst, beyond_rounding(exported, bucket[name]))
+            # The export is read from the checkpoint on the host; a push's buckets are on the trainer's device.
+            worst = max(worst, beyond_rounding(exported, bucket[name].to(exported.device)))
             seen.add(name)
     return {
         "export_merged_beyond_rounding": worst,
