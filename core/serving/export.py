@@ -203,10 +203,14 @@ def checkpoint_names(model_dir: Path) -> set[str]:
 
 
 def merged_subset(
-    model_dir: Path, deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]], names: Iterable[str]
+    model_dir: Path,
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+    names: Iterable[str],
+    held_in: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``names`` of the checkpoint's tensors (those it has) with ``deltas`` (:func:`adapter_deltas`) merged as
-    :func:`merged_tensors` merges them, reading only those tensors."""
+    :func:`merged_tensors` merges them, reading only those tensors. ``held_in``: each base tensor first rounded to
+    that dtype, as a model trained in it holds the checkpoint (a bf16 trainer on an fp32 checkpoint)."""
     from safetensors import safe_open
 
     wanted = set(names)
@@ -214,6 +218,8 @@ def merged_subset(
         with safe_open(str(path), framework="pt") as fh:
             for name in wanted.intersection(fh.keys()):
                 tensor = fh.get_tensor(name)
+                if held_in is not None and tensor.is_floating_point():
+                    tensor = tensor.to(held_in).to(tensor.dtype)
                 yield name, _merged(tensor, deltas[name]) if name in deltas else tensor
 
 

@@ -421,7 +421,19 @@ class VllmServer:
 
     def _generate(self, prompt: list[int], model: str | None, sampling: dict[str, Any]) -> list[dict[str, Any]]:
         body = {"token_ids": prompt, "sampling_params": sampling, "model": model or self.served_name}
-        return sorted(self.request("/inference/v1/generate", body)["choices"], key=lambda c: c["index"])
+        choices = self.request("/inference/v1/generate", body)["choices"]
+        return sorted((with_token_ids(c) for c in choices), key=lambda c: c["index"])
+
+
+def with_token_ids(choice: dict[str, Any]) -> dict[str, Any]:
+    """``choice`` with every log-prob entry carrying its ``token_id``, as vLLM 0.32's generate route gives it; before
+    0.32 an entry names its token only as the string ``token_id:N``."""
+    for entry in (choice.get("logprobs") or {}).get("content") or []:
+        for item in (entry, *(entry.get("top_logprobs") or ())):
+            token = item.get("token")
+            if "token_id" not in item and isinstance(token, str) and token.startswith("token_id:"):
+                item["token_id"] = int(token.removeprefix("token_id:"))
+    return choice
 
 
 def staleness(choice: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import RuntimeInfo, load_runtime
-from model_support.core.serving.vllm_backend import root_cause, server_command, server_env
+from model_support.core.serving.vllm_backend import root_cause, server_command, server_env, with_token_ids
 from model_support.core.serving.vllm_features import VllmFeatures
 
 
@@ -65,6 +65,18 @@ def test_a_gpu_runtime_without_flashinfer_serves_gdn_with_triton(flavor: str, fl
     runtime = dataclasses.replace(_runtime("0.26.0"), flavor=flavor, flashinfer=flashinfer)
     cmd = server_command(runtime, VllmFeatures("0.26.0"), Path("/m"), "m@0", 8000, ServeOptions())
     assert (cmd[cmd.index("--gdn-prefill-backend") + 1] == "triton") if triton else "--gdn-prefill-backend" not in cmd
+
+
+def test_generate_log_probs_of_vllm_026_get_their_token_ids():
+    """A choice as vLLM 0.26's generate route writes it (its tokens named ``token_id:N`` only) reads as 0.32's."""
+    entry = {"token": "token_id:17", "logprob": -0.5, "bytes": None}
+    top = [{"token": "token_id:17", "logprob": -0.5, "bytes": None}, {"token": "token_id:4", "logprob": -1.5}]
+    choice = {"index": 0, "token_ids": [17], "logprobs": {"content": [{**entry, "top_logprobs": top}]}}
+    (got,) = with_token_ids(choice)["logprobs"]["content"]
+    assert (got["token_id"], [t["token_id"] for t in got["top_logprobs"]]) == (17, [17, 4])
+    as_032 = {"index": 0, "logprobs": {"content": [{"token_id": 3, "logprob": -0.1, "top_logprobs": []}]}}
+    assert with_token_ids(as_032) == as_032
+    assert with_token_ids({"index": 0, "logprobs": None}) == {"index": 0, "logprobs": None}
 
 
 def test_a_runtime_on_a_path_of_its_own_is_put_after_the_extension():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.megatron_session import HF_REFERENCES
-from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER
+from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER, VLLM_DTYPES
 from model_support.validation.stage import Requirement, Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -111,9 +111,13 @@ EXPORT_BEYOND_ROUNDING = 1e-5
 def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]:
     """How far ``export_merged`` of the exported adapter (what a user merging the adapter into the checkpoint
     serves) lands from the policy model's own merged weights (``api.merged_weights``, what a push sends), over
-    every tensor the adapter changes: the largest distance beyond one rounding, and how many of those tensors the
-    trainer's weights lack. Stacked-expert modules (an adapter's ``target_parameters``, gpt-oss's experts) name no
-    checkpoint tensor: ``export_merged`` refuses them, and they are counted apart (``export_modules_unmerged``)."""
+    every tensor the adapter changes: the largest distance beyond one rounding (to the training dtype where it is
+    coarser than the checkpoint's: a bf16 trainer holds an fp32 checkpoint in bf16 and rounds its merge to bf16),
+    and how many of those tensors the trainer's weights lack. Stacked-expert modules (an adapter's
+    ``target_parameters``, gpt-oss's experts) name no checkpoint tensor: ``export_merged`` refuses them, and they
+    are counted apart (``export_modules_unmerged``)."""
+    import torch
+
     from model_support.core import api
     from model_support.core.serving.export import adapter_deltas, checkpoint_names, merged_subset
     from model_support.validation import serving_session as session
@@ -121,11 +125,16 @@ def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]
 
     names, every = checkpoint_names(ctx.model_dir), adapter_deltas(adapter)
     deltas = {name: delta for name, delta in every.items() if name in names}
+    # The trainer merges into the checkpoint as its model holds it, in the training dtype, and rounds to it.
+    held_in = torch.bfloat16 if ctx.training_dtype == "bf16" else None
     worst, seen = 0.0, set[str]()
     for bucket in api.merged_weights(session.policy_model(ctx)):
-        for name, exported in merged_subset(ctx.model_dir, deltas, [n for n in bucket if n in deltas]):
+        for name, exported in merged_subset(ctx.model_dir, deltas, [n for n in bucket if n in deltas], held_in):
             # The export is read from the checkpoint on the host; a push's buckets are on the trainer's device.
-            worst = max(worst, beyond_rounding(exported, bucket[name].to(exported.device)))
+            trainer = bucket[name].to(exported.device)
+            if held_in is not None:  # the trainer's merge is rounded to its dtype before the checkpoint's
+                exported, trainer = exported.to(held_in), trainer.to(held_in)
+            worst = max(worst, beyond_rounding(exported, trainer))
             seen.add(name)
     return {
         "export_merged_beyond_rounding": worst,
@@ -185,7 +194,9 @@ class MergedServingStage(Stage):
             regrets.append((ref[-1].max() - ref[-1, greedy]).item())
         delta = torch.cat(deltas)
         dtype = server.options.dtype
-        tol, own = calibrated_tolerance(ctx, adapter, prompts, reference, dtype)
+        # The served weights are the trainer's: held in bf16, they carry bf16's rounding even where served in fp32.
+        judged = dtype if ctx.training_dtype == "fp32" else VLLM_DTYPES[ctx.training_dtype]
+        tol, own = calibrated_tolerance(ctx, adapter, prompts, reference, judged)
         metrics = {
             **own,
             **export,
@@ -238,7 +249,7 @@ class MergedServingStage(Stage):
         return self.judge(
             metrics,
             limits,
-            f"{metrics['tokens_compared']} prompt tokens within {tol:g} ({dtype})",
+            f"{metrics['tokens_compared']} prompt tokens within {tol:g} ({judged})",
             details,
             ctx=ctx,
         )
