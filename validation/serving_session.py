@@ -40,9 +40,6 @@ GPU_FP32_LORA_GAP = "vLLM's GPU LoRA kernels take fp16 / bf16 weights only, and 
 # Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
 # build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
 CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
-# Reloading an MoE model's weights in place moves its outputs: reloading the checkpoint's own weights into a tiny
-# Qwen3-MoE changed prompt log-probs by up to 0.10 (tests/serving/test_inplace.py keeps measuring it).
-CPU_MOE_RELOAD_GAP = "in-place weight reload of fused-MoE layers changes the model's outputs"
 
 
 def backend() -> ServingBackend:
@@ -62,13 +59,6 @@ def lora_gap(ctx: CheckContext) -> str | None:
         return CPU_MOE_LORA_GAP
     if flavor == "gpu" and serving_dtype(ctx)[0] == "float32":
         return GPU_FP32_LORA_GAP
-    return None
-
-
-def inplace_gap(ctx: CheckContext) -> str | None:
-    """Why this build cannot take the handler's weights in place (``None``: it can, as far as is known)."""
-    if ctx.layout.moe is not None and load_runtime().flavor == "cpu":
-        return CPU_MOE_RELOAD_GAP
     return None
 
 
@@ -164,12 +154,6 @@ def _random_adapter(ctx: CheckContext) -> Path:
     return api.export_adapter(model, serving_workdir(ctx) / "random-adapter")
 
 
-def _start_policy_server(ctx: CheckContext) -> Server:
-    weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
-    log = serving_workdir(ctx) / "vllm-policy.log"
-    return backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
-
-
 SERVER: Resource[SharedServer] = Resource(
     "server",
     "the run's one vLLM server, started on the base checkpoint as `<handler>@0` (LoRA on where the build can serve "
@@ -193,14 +177,6 @@ RANDOM_ADAPTER: Resource[Path] = Resource(
 )
 # What serving_session.policy_adapter and policy_model read.
 POLICY: tuple[Resource[Any], ...] = (TRAINED_ADAPTER, RANDOM_ADAPTER, TRAINING_MODEL, LORA)
-POLICY_SERVER: Resource[Server] = Resource(
-    "policy_server",
-    "a server of the policy's own (`<handler>-policy`) started on its merged weights written as a checkpoint, "
-    "where the build cannot take weights in place (inplace_gap)",
-    _start_policy_server,
-    uses=POLICY,
-    stop=stop_value,
-)
 
 
 def start_server(ctx: CheckContext) -> Server:
@@ -215,13 +191,8 @@ def server(ctx: CheckContext) -> Server:
 
 
 def prestart_policy(ctx: CheckContext) -> None:
-    """Start in the background the server :func:`serve_policy` will hold the policy in: the shared one; where the
-    policy needs a server of its own (:func:`inplace_gap`), that one, once the Megatron trainer has written the
-    policy adapter (``lora_coverage``; the runner prepares again after each stage)."""
-    if inplace_gap(ctx) is None:
-        start_server(ctx)
-    elif ctx.state.find(TRAINED_ADAPTER) is not None:
-        ctx.state.get(POLICY_SERVER)
+    """Start in the background the server :func:`serve_policy` will hold the policy in: the shared one."""
+    start_server(ctx)
 
 
 def prestart_native_lora(ctx: CheckContext) -> None:
@@ -275,12 +246,7 @@ def policy_model(ctx: CheckContext) -> api.TrainingModel:
 
 def serve_policy(ctx: CheckContext) -> Server:
     """A server holding the policy: the run's server with the policy's merged weights pushed in place from the
-    Megatron model; where the build cannot take weights in place (:func:`inplace_gap`), a server started on
-    those merged weights written as a checkpoint (``<handler>-policy``)."""
-    if inplace_gap(ctx) is not None:
-        policy_server = ctx.state.get(POLICY_SERVER)
-        with timing.phase("server_start"):
-            return policy_server.wait_ready()
+    Megatron model."""
     running = server(ctx)
     if _push_pending(ctx):
         api.push_weights(running, policy_model(ctx), bucket_bytes=push_bucket_bytes(ctx))
@@ -290,7 +256,7 @@ def serve_policy(ctx: CheckContext) -> Server:
 
 def _push_pending(ctx: CheckContext) -> bool:
     """Whether :func:`serve_policy` pushes the policy in place into the run's shared server when called next."""
-    return inplace_gap(ctx) is None and ctx.state.get(SERVER).holds != "policy"
+    return ctx.state.get(SERVER).holds != "policy"
 
 
 # A prompt longer than two of vLLM's KV blocks (128 tokens on its CPU build, 16 on a GPU): only whole blocks are cached.

@@ -219,7 +219,37 @@ def _reload_in_place(vllm_config: Any, model: Any, weights: dict[str, torch.Tens
         model.load_weights(iter(weights.items()))
         finalize_layerwise_reload(model, vllm_config.model_config)
         return
-    reload_weights(vllm_config, model, iter(weights.items()), None, True)
+    with _moe_first_load(model):
+        reload_weights(vllm_config, model, iter(weights.items()), None, True)
+
+
+@contextlib.contextmanager
+def _moe_first_load(model: Any) -> Any:
+    """Within the block, each unquantized fused-MoE layer processes reloaded weights as it processed the first load.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod`` runs its experts' ``process_weights_after_loading`` (on the CPU build:
+    packing ``w13`` / ``w2`` into the grouped GEMM's layout, same shape, elements reordered) only while it has no
+    ``moe_kernel``, i.e. at the first load; a reload then copied checkpoint-order experts into the packed storage,
+    and the kernel read them as packed (log-probs off by 0.15 after reloading a tiny Qwen3-MoE's own weights). With
+    the kernel hidden, the layer being reloaded is packed before vLLM copies it into the live tensors; the kernel
+    and its quantization config, which refer to the live tensors, are put back after."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without the class has no such step to skip
+        yield
+        return
+    hidden: dict[int, tuple[Any, Any, Any]] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)  # a LoRA wrapper shows its base layer's: counted once
+        if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
+            hidden.setdefault(id(method), (method, method.moe_kernel, getattr(method, "moe_quant_config", None)))
+    for method, _, _ in hidden.values():
+        method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel, quant_config in hidden.values():
+            method.moe_kernel, method.moe_quant_config = kernel, quant_config
 
 
 def _load_into_wrapped(wrapper: Any, weights: Any) -> Any:
