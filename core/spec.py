@@ -113,6 +113,9 @@ class RuntimePolicy:
     # why; the serving stages print both, and judge with that dtype's tolerances.
     cpu_serving_dtype: str | None = None
     cpu_serving_reason: str = ""
+    # Why vLLM's CPU build cannot take this family's weights in place (measured; "" where it can): the serving
+    # stages then serve the policy from its merged weights written as a checkpoint, and rl_trainability skips.
+    cpu_inplace_reload_gap: str = ""
     # Limits replacing a stage's own, keyed "stage.metric" (e.g. "merged_serving.prompt_logprob_max_abs_err"), and
     # why; the stage's report names each one beside its default limit and this reason.
     tolerances: Mapping[str, float] = field(default_factory=dict)

@@ -48,7 +48,9 @@ FIELD_DOCS = {
     "dependencies": "`DependencyFloor(package, minimum, reason, extra)`: minimum versions the `dependencies` "
     "stage enforces (`extra`: the optional extra that installs the package).",
     "runtime": "`RuntimePolicy(disable_mtp_for_training, gdn_backend, cpu_serving_dtype, cpu_serving_reason, "
-    "tolerances, tolerance_reason, parallel_limits)`: how the trainer/server must run the family; `tolerances` "
+    "cpu_inplace_reload_gap, tolerances, tolerance_reason, parallel_limits)`: how the trainer/server must run the "
+    "family; `cpu_inplace_reload_gap` (measured) makes the CPU build's serving stages serve the policy from a "
+    "checkpoint of its merged weights and skip `rl_trainability`; `tolerances` "
     "(`{\"stage.metric\": limit}`) replace a stage's limits, and the stage's summary and details name each one with "
     'the stage\'s default and the reason; `parallel_limits` (`{"tensor_parallel": why}`) are parallel dimensions '
     "the family cannot train in: `build_model` refuses them and `parallel_parity` names them.",
@@ -247,9 +249,9 @@ def stages_page() -> str:
         "`build`), in Triton's autotuning of GPU kernels (`autotune`: each candidate setting compiled and",
         "timed), waiting for a vLLM server to start (`server_start`), and the rest (`comparison`); each second",
         "once. Before each stage runs, the stages still to come that apply may start slow work in the",
-        "background (`Stage.prepare`): the serving stages their vLLM server, `parallel_parity` its job of",
-        "ranks, the stages that render chat templates their renderer; a stage then waits only for what is left",
-        "of it.",
+        "background (`Stage.prepare`): the serving stages their vLLM server (a policy server of its own once",
+        "`lora_coverage` has written the adapter), `parallel_parity` its job of ranks, the stages that render",
+        "chat templates their renderer; a stage then waits only for what is left of it.",
         "",
         *_state_section(stages),
         "",

@@ -62,6 +62,13 @@ def lora_gap(ctx: CheckContext) -> str | None:
     return None
 
 
+def inplace_gap(ctx: CheckContext) -> str | None:
+    """Why this build cannot take the handler's weights in place, as its runtime policy declares for the CPU build
+    (``None``: it can, as far as is known)."""
+    gap = ctx.spec.runtime.cpu_inplace_reload_gap
+    return gap if gap and load_runtime().flavor == "cpu" else None
+
+
 def serving_dtype(ctx: CheckContext) -> tuple[str, str]:
     """(dtype, why). On a GPU the check's training dtype (bf16 unless ``check --dtype fp32``), as trainers serve
     and as vLLM's GPU LoRA kernels take only; on the CPU build the checkpoint's own (vLLM's "auto" would run fp32
@@ -154,6 +161,12 @@ def _random_adapter(ctx: CheckContext) -> Path:
     return api.export_adapter(model, serving_workdir(ctx) / "random-adapter")
 
 
+def _start_policy_server(ctx: CheckContext) -> Server:
+    weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
+    log = serving_workdir(ctx) / "vllm-policy.log"
+    return backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
+
+
 SERVER: Resource[SharedServer] = Resource(
     "server",
     "the run's one vLLM server, started on the base checkpoint as `<handler>@0` (LoRA on where the build can serve "
@@ -177,6 +190,14 @@ RANDOM_ADAPTER: Resource[Path] = Resource(
 )
 # What serving_session.policy_adapter and policy_model read.
 POLICY: tuple[Resource[Any], ...] = (TRAINED_ADAPTER, RANDOM_ADAPTER, TRAINING_MODEL, LORA)
+POLICY_SERVER: Resource[Server] = Resource(
+    "policy_server",
+    "a server of the policy's own (`<handler>-policy`) started on its merged weights written as a checkpoint, "
+    "where the build cannot take weights in place (inplace_gap)",
+    _start_policy_server,
+    uses=POLICY,
+    stop=stop_value,
+)
 
 
 def start_server(ctx: CheckContext) -> Server:
@@ -191,8 +212,13 @@ def server(ctx: CheckContext) -> Server:
 
 
 def prestart_policy(ctx: CheckContext) -> None:
-    """Start in the background the server :func:`serve_policy` will hold the policy in: the shared one."""
-    start_server(ctx)
+    """Start in the background the server :func:`serve_policy` will hold the policy in: the shared one; where the
+    policy needs a server of its own (:func:`inplace_gap`), that one, once the Megatron trainer has written the
+    policy adapter (``lora_coverage``; the runner prepares again after each stage)."""
+    if inplace_gap(ctx) is None:
+        start_server(ctx)
+    elif ctx.state.find(TRAINED_ADAPTER) is not None:
+        ctx.state.get(POLICY_SERVER)
 
 
 def prestart_native_lora(ctx: CheckContext) -> None:
@@ -246,7 +272,12 @@ def policy_model(ctx: CheckContext) -> api.TrainingModel:
 
 def serve_policy(ctx: CheckContext) -> Server:
     """A server holding the policy: the run's server with the policy's merged weights pushed in place from the
-    Megatron model."""
+    Megatron model; where the build cannot take weights in place (:func:`inplace_gap`), a server started on
+    those merged weights written as a checkpoint (``<handler>-policy``)."""
+    if inplace_gap(ctx) is not None:
+        policy_server = ctx.state.get(POLICY_SERVER)
+        with timing.phase("server_start"):
+            return policy_server.wait_ready()
     running = server(ctx)
     if _push_pending(ctx):
         api.push_weights(running, policy_model(ctx), bucket_bytes=push_bucket_bytes(ctx))
@@ -256,7 +287,7 @@ def serve_policy(ctx: CheckContext) -> Server:
 
 def _push_pending(ctx: CheckContext) -> bool:
     """Whether :func:`serve_policy` pushes the policy in place into the run's shared server when called next."""
-    return ctx.state.get(SERVER).holds != "policy"
+    return inplace_gap(ctx) is None and ctx.state.get(SERVER).holds != "policy"
 
 
 # A prompt longer than two of vLLM's KV blocks (128 tokens on its CPU build, 16 on a GPU): only whole blocks are cached.

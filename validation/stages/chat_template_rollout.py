@@ -15,7 +15,7 @@ import re
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
 from model_support.validation.megatron_session import HF_REFERENCES
-from model_support.validation.serving_session import POLICY, SERVER
+from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.merged_serving import calibrated_tolerance, cannot_serve, logprob_tolerance
 
@@ -36,7 +36,7 @@ class ChatTemplateRolloutStage(Stage):
     title = "Chat-template rendering, server generation and token ids round-trip between tokenizer and server."
     order = 90
     requires = ("merged_serving",)
-    needs = (*POLICY, SERVER, TOKENIZER, CHAT_RENDERER, HF_REFERENCES)
+    needs = (*POLICY, SERVER, POLICY_SERVER, TOKENIZER, CHAT_RENDERER, HF_REFERENCES)
     max_tokens = 12
 
     def prepare(self, ctx: CheckContext) -> None:

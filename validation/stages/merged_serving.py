@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.megatron_session import HF_REFERENCES
-from model_support.validation.serving_session import POLICY, SERVER, VLLM_DTYPES
+from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER, VLLM_DTYPES
 from model_support.validation.stage import Requirement, Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -149,7 +149,7 @@ class MergedServingStage(Stage):
     title = "vLLM serving the merged LoRA export matches transformers + the adapter (prompt and next-token logprobs)."
     order = 70
     packages: ClassVar = (Requirement("peft", "peft", "dev"), *MEGATRON_PACKAGES)
-    needs = (*POLICY, SERVER, HF_REFERENCES)
+    needs = (*POLICY, SERVER, POLICY_SERVER, HF_REFERENCES)
     prompts, prompt_len = 2, 24  # and one long prompt (session.random_prompts)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
@@ -212,8 +212,12 @@ class MergedServingStage(Stage):
         details = [
             "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
             f"adapter: {origin}; merged into the fp32 transformers reference",
-            f"policy weights merged in the Megatron model ({session.policy_model(ctx).describe()}), pushed in place: "
-            f"served as {server.served_name}",
+            f"policy weights merged in the Megatron model ({session.policy_model(ctx).describe()}), "
+            + (
+                f"served from a checkpoint of their own as {server.served_name} ({gap})"
+                if (gap := session.inplace_gap(ctx))
+                else f"pushed in place: served as {server.served_name}"
+            ),
             "greedy_regret = log p_ref(argmax) - log p_ref(vLLM's greedy token), per prompt: "
             + ", ".join(f"{r:.2e}" for r in regrets),
             f"export_merged of the adapter against the trainer's merged weights: {export['export_tensors_compared']} "

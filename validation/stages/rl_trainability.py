@@ -99,16 +99,23 @@ class RlTrainabilityStage(Stage):
 
     @staticmethod
     def modes(ctx: CheckContext) -> list[str]:
-        """ "lora" (the adapter hot-swapped) where the run's server serves the handler's LoRA natively, and "merged"
-        (weights pushed in place)."""
-        from model_support.validation.serving_session import lora_gap
+        """ "lora" (the adapter hot-swapped) where the run's server serves the handler's LoRA natively, "merged"
+        (weights pushed in place) where the build takes them in place."""
+        from model_support.validation.serving_session import inplace_gap, lora_gap
 
-        return (["lora"] if ctx.spec.vllm_lora.native and lora_gap(ctx) is None else []) + ["merged"]
+        lora = ["lora"] if ctx.spec.vllm_lora.native and lora_gap(ctx) is None else []
+        return lora + (["merged"] if inplace_gap(ctx) is None else [])
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
-        from model_support.validation.serving_session import backend
+        from model_support.validation.serving_session import backend, inplace_gap
 
-        return backend().unavailable_reason()
+        unavailable = backend().unavailable_reason()
+        if unavailable is not None:
+            return unavailable
+        if not self.modes(ctx):
+            runtime = backend().version()
+            return f"the CPU vLLM build ({runtime}) cannot take {ctx.spec.name}'s weights in place: {inplace_gap(ctx)}"
+        return None
 
     def prepare(self, ctx: CheckContext) -> None:
         from model_support.validation.serving_session import start_server

@@ -21,7 +21,7 @@ import torch
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CheckContext
 from model_support.validation.megatron_session import HF_REFERENCES
-from model_support.validation.serving_session import POLICY, SERVER
+from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
@@ -79,7 +79,7 @@ class TrainInferenceMismatchStage(Stage):
     order = 100
     requires = ("merged_serving",)
     packages = MEGATRON_PACKAGES
-    needs = (*POLICY, SERVER, HF_REFERENCES)
+    needs = (*POLICY, SERVER, POLICY_SERVER, HF_REFERENCES)
     prompts, prompt_len, max_tokens = 2, 8, 16  # and one long prompt (session.random_prompts)
 
     def prepare(self, ctx: CheckContext) -> None:

