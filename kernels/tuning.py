@@ -12,6 +12,12 @@ H200, which Triton compiles for alike), harvested by ``benchmarks/time_to_verdic
 configs' replicas on such a GPU. :func:`seed_triton_cache` copies the entries into Triton's cache before
 the first kernel runs (never over an entry already there); a shape the file does not hold autotunes as before, and
 the result stays in Triton's cache for the next run. ``MODEL_SUPPORT_TUNED_KERNELS=0`` leaves Triton's cache alone.
+
+A run that compares results rather than timing kernels (``parallel_parity``'s layouts: each tensor-parallel split
+is a new head count, each a new tuning key for every kernel, in fp32 and in bf16) need not tune at all:
+:func:`settle_fla_kernels` hands the same entries to fla's own config cache (``FLA_CACHE_MODE=fuzzy``), where a
+kernel takes the setting of a shipped entry whose key differs from its own in numbers only (head counts, lengths),
+never in dtypes or flags.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +85,51 @@ def seed_triton_cache() -> int:
     except ImportError:
         return 0
     return write_entries(json.loads(shipped.read_text())["entries"], cache_dir)
+
+
+def fla_config_files(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """fla's config files (``<kernel>.json`` -> content, the format of ``fla.ops.utils.cache.KernelConfigFile``) for
+    Triton cache entries ``entries`` (as :func:`harvest` returns them): each entry's fastest setting under its
+    tuning key. fla takes the first entry that matches a key loosely, so each kernel's entries run from the smallest
+    shapes up: a setting tuned on small shapes (small tiles) runs on larger ones, where the reverse may not fit."""
+    by_kernel: dict[str, list[tuple[list[Any], dict[str, Any]]]] = {}
+    for relative, content in entries.items():
+        kernel = Path(relative).name.removesuffix(".autotune.json")
+        # Triton's timings: (median, 20th, 80th percentile) milliseconds; inf where the setting did not run.
+        fastest = min(content["configs_timings"], key=lambda pair: pair[1][0])
+        by_kernel.setdefault(kernel, []).append((content["key"], fastest[0]))
+    files = {}
+    for kernel, found in by_kernel.items():
+        found.sort(key=lambda pair: sum(v for v in pair[0] if isinstance(v, int | float) and not isinstance(v, bool)))
+        files[f"{kernel}.json"] = {
+            "kernel_name": kernel,
+            "autotune_entries": {
+                str(i): {"autotune_key": key, "config": setting} for i, (key, setting) in enumerate(found)
+            },
+        }
+    return files
+
+
+def settle_fla_kernels(config_dir: Path) -> int:
+    """Let fla's kernels in this process (and in the processes it starts) take this GPU's shipped settings by
+    loose key match instead of autotuning (see the module's docstring); returns how many kernels have settings
+    (0, and nothing changed, without CUDA, a shipped file, or with ``MODEL_SUPPORT_TUNED_KERNELS=0``). A kernel
+    with no shipped entry tunes as before. For runs whose verdict does not depend on which setting a kernel runs."""
+    import torch
+
+    if os.environ.get("MODEL_SUPPORT_TUNED_KERNELS", "1") == "0" or not torch.cuda.is_available():
+        return 0
+    shipped = TUNED_DIR / tuned_file_name(torch.cuda.get_device_capability())
+    if not shipped.exists():
+        return 0
+    files = fla_config_files(json.loads(shipped.read_text())["entries"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        partial = config_dir / f".{name}.{os.getpid()}.tmp"  # several ranks may write the same files
+        partial.write_text(json.dumps(content))
+        partial.replace(config_dir / name)
+    os.environ.update(FLA_CONFIG_DIR=str(config_dir), FLA_CACHE_MODE="fuzzy")
+    cache = sys.modules.get("fla.ops.utils.cache")
+    if cache is not None:  # fla reads FLA_CACHE_MODE once, when it is imported
+        cache.FLA_CACHE_MODE = cache.FlaCacheMode.FUZZY
+    return len(files)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,49 @@ def test_shipped_files_are_cache_entries() -> None:
         for relative, entry in shipped["entries"].items():
             assert Path(relative).parent.name and relative.endswith(".autotune.json"), relative
             assert entry["configs_timings"], relative
+
+
+def test_fla_config_files_hold_each_key_s_fastest_setting_smallest_shapes_first() -> None:
+    """fla's config cache gets, per kernel, each shipped key with its fastest setting (a setting that did not run,
+    timed inf, never), the entries of the smallest shapes first: fla takes the first loose match."""
+    fast, slow, broken = {"kwargs": {"BV": 32}}, {"kwargs": {"BV": 64}}, {"kwargs": {"BV": 128}}
+    inf = float("inf")
+    entries = {
+        "A/chunk_fwd_kernel_o.autotune.json": {
+            "key": [48, 128, False, "torch.bfloat16"],
+            "configs_timings": [[slow, [0.3, 0.2, 0.4]], [broken, [inf, inf, inf]], [fast, [0.1, 0.1, 0.2]]],
+        },
+        "B/chunk_fwd_kernel_o.autotune.json": {
+            "key": [2, 128, True, "torch.bfloat16"],
+            "configs_timings": [[slow, [0.1, 0.1, 0.1]], [fast, [0.2, 0.1, 0.3]]],
+        },
+        "C/l2norm_fwd_kernel.autotune.json": {"key": [4, "torch.float32"], "configs_timings": [[fast, [0.1] * 3]]},
+    }
+    files = tuning.fla_config_files(entries)
+    assert sorted(files) == ["chunk_fwd_kernel_o.json", "l2norm_fwd_kernel.json"]
+    chunk = files["chunk_fwd_kernel_o.json"]
+    assert chunk["kernel_name"] == "chunk_fwd_kernel_o"
+    assert list(chunk["autotune_entries"].values()) == [
+        {"autotune_key": [2, 128, True, "torch.bfloat16"], "config": slow},
+        {"autotune_key": [48, 128, False, "torch.bfloat16"], "config": fast},
+    ]
+
+
+def test_the_shipped_settings_cover_kernels_in_fla_s_format() -> None:
+    """Every shipped entry reaches fla's files: one per kernel, each entry a key and a setting fla can build
+    (``kwargs``, ``num_warps``, ``num_stages``, ``num_ctas``)."""
+    for path in sorted(tuning.TUNED_DIR.glob("*.json")):
+        entries = json.loads(path.read_text())["entries"]
+        files = tuning.fla_config_files(entries)
+        assert sum(len(f["autotune_entries"]) for f in files.values()) == len(entries)
+        for content in files.values():
+            for entry in content["autotune_entries"].values():
+                assert {"kwargs", "num_warps", "num_stages", "num_ctas"} <= set(entry["config"]), entry
+
+
+def test_settling_fla_kernels_changes_nothing_without_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert tuning.settle_fla_kernels(tmp_path / "fla") == 0
+    assert "FLA_CACHE_MODE" not in os.environ
+    assert not (tmp_path / "fla").exists()
