@@ -402,6 +402,11 @@ class VllmServer:
         the KV cache the last token was sampled from; an update recomputes the cache of every request in flight,
         so one pair) and ``num_evictions`` (how often the request's KV cache was dropped and recomputed: once per
         update during its generation; vLLM's own preemptions under memory pressure are not counted).
+
+        A request to a LoRA adapter (``model`` names one) is served by that adapter for its whole life: vLLM binds
+        it when it admits the request, and a hot-swap loads the next step under the next name while the requests in
+        flight finish on theirs (``tests/serving/test_inplace.py``). Its staleness fields are the adapter's step
+        (``name@N``: N) for every token, with no eviction; vLLM's weight versions count the base's updates only.
         """
         n, seed = sampling.get("n", 1), sampling.get("seed")
         if n > 1 and not self.features.has("generate_n"):
@@ -416,6 +421,8 @@ class VllmServer:
             ]
         else:
             choices = self._generate(prompt, model, sampling)
+        if model is not None and model != self.served_name:
+            return [adapter_staleness(c, parse_served_name(model)[1]) for c in choices]
         # A vLLM without per-token weight versions (before 0.32) gives none of the staleness fields, not empty ones.
         return [staleness(c) for c in choices] if self.features.has("token_weight_versions") else choices
 
@@ -448,6 +455,19 @@ def staleness(choice: dict[str, Any]) -> dict[str, Any]:
         "policy_epoch": pairs,
         "kv_cache_epoch": [[0, pairs[-1][1]]] if pairs else [],
         "num_evictions": max(len(pairs) - 1, 0),
+    }
+
+
+def adapter_staleness(choice: dict[str, Any], step: int) -> dict[str, Any]:
+    """``choice``, sampled by a LoRA adapter of step ``step``, with the staleness fields :func:`staleness` gives:
+    every token that step's, one KV-cache epoch, no eviction (a request keeps the adapter it was admitted with)."""
+    tokens = len(choice.get("token_ids") or [])
+    return {
+        **choice,
+        "policy_epochs": [step] * tokens,
+        "policy_epoch": [[0, step]] if tokens else [],
+        "kv_cache_epoch": [[0, step]] if tokens else [],
+        "num_evictions": 0,
     }
 
 

@@ -227,6 +227,40 @@ def test_a_push_during_a_long_generation_keeps_it_going_with_per_token_epochs(qw
 
 
 @pytest.mark.slow
+def test_a_lora_hot_swap_during_a_generation_leaves_it_on_its_adapter(qwen3_server, tiny_model_dir, tmp_path):
+    """A request in flight when the next adapter is swapped in (the old one unloaded) finishes on the adapter it
+    named: its tokens are that adapter's own greedy tokens, and its staleness fields say that adapter's step for
+    every token, where vLLM's weight versions, which count the base's updates only, would say nothing changed."""
+    import threading
+
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    sampling = {"max_tokens": 300, "min_tokens": 300, "temperature": 0.0}
+    try:
+        old = server.update_adapter(random_adapter(base, TARGETS, tmp_path / "first", seed=71))
+        alone = server.generate(PROMPT, model=old, **sampling)[0]["token_ids"]
+        out: list[list[dict]] = []
+        generation = threading.Thread(target=lambda: out.append(server.generate(PROMPT, model=old, **sampling)))
+        generation.start()
+        for _ in range(2000):  # until the engine runs it (bounded by count)
+            if _running(server) >= 1:
+                break
+            generation.join(0.01)
+        new = server.update_adapter(random_adapter(base, TARGETS, tmp_path / "second", seed=72))
+        still_running = _running(server)
+        generation.join()
+        assert still_running >= 1, "the swap did not land inside the generation"
+        choice, step = out[0][0], int(old.rpartition("@")[2])
+        assert choice["token_ids"] == alone
+        assert choice["policy_epochs"] == [step] * 300 and choice["policy_epoch"] == [[0, step]]
+        assert choice["kv_cache_epoch"] == [[0, step]] and choice["num_evictions"] == 0
+        swapped = server.generate(PROMPT, model=new, **sampling)[0]
+        assert swapped["token_ids"] != alone  # the next adapter samples otherwise: staying on the old one shows
+        assert swapped["policy_epoch"] == [[0, step + 1]]
+    finally:
+        server.remove_adapter()
+
+
+@pytest.mark.slow
 def test_lora_hot_swap_advances_the_adapter_and_keeps_the_base(qwen3_server, tiny_model_dir, tmp_path):
     """Each step exported into one fixed directory (as a trainer does), a file of the user's beside it: the server
     loads its own copy, so nothing of the caller's is deleted, and the copy of an unloaded adapter is removed."""
