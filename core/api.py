@@ -432,6 +432,29 @@ def reduce_lora_grads(model: TrainingModel) -> None:
     reduce(model.chunks)
 
 
+def lora_grad_norm(model: TrainingModel) -> float:
+    """The L2 norm of every LoRA gradient of the whole model, the same on every rank, after
+    :func:`reduce_lora_grads`: each distinct element counted once across tensor, pipeline, expert, context and data
+    parallel ranks (which factors are sharded and which replicated: docs/trainer-api.md). Every rank calls it."""
+    from model_support.core.megatron.lora import lora_grad_norm as norm
+
+    return norm(model.chunks).item()
+
+
+def clip_lora_grads(model: TrainingModel, max_norm: float) -> float:
+    """Scale every rank's LoRA gradients by ``max_norm / norm`` where the whole model's norm
+    (:func:`lora_grad_norm`) is larger, as ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm
+    before clipping. Every rank calls it, after :func:`reduce_lora_grads`."""
+    import torch
+
+    from model_support.core.megatron.lora import lora_grad_norm as norm
+
+    total = norm(model.chunks)
+    params = [p for chunk in model.chunks for p in chunk.parameters() if p.requires_grad and p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.item()
+
+
 def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Per-position log-softmax rows of each sequence, ``[len(seq), vocab]`` fp32, from one packed forward.
 

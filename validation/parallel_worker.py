@@ -1,20 +1,21 @@
 """Worker of the ``parallel_parity`` stage: one job per handler, every layout in turn.
 
 Run as ``python -m model_support.validation.parallel_worker --world W OUT MODEL_DIR HANDLER single,tp2,...
-[--mutation NAME]`` (W ranks forked from this process: see :func:`launch`; without ``--world``, one
-rank of a job another launcher such as ``torchrun`` started; ``--mutation``: the selftest's bug, which the stage
-passes on only while ``model-support selftest`` injects it in the parent). For each layout the job builds the model
-through the training-time API in that layout (the rest of the world is data parallel, every rank fed the same
-tokens), loads the same canonical random LoRA, runs one forward and backward through ``api.forward_backward``
-(megatron-core's schedule for the layout, two micro-batches), reduces the gradients as a trainer does
-(``api.reduce_lora_grads``), takes one SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the
-logits, the loss, each router's top-k expert sets (every token, in sequence order), the PEFT adapter the handler's
-codec exports before and after the step, the merged HF weights after it (``api.merged_weights``), and the logits of
-shared-prefix rows (a prompt and three completions each; not under context parallelism, which needs THD attention
-for packed rows), the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout),
-and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are
-from rank 0's. ``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other
-layout with. A rank's error goes to ``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
+[--mutation NAME]`` (W ranks forked from this process: see :func:`launch`; without ``--world``, one rank of a job
+another launcher such as ``torchrun`` started; ``--mutation``: the selftest's bug, which the stage passes on only
+while ``model-support selftest`` injects it in the parent). For each layout the job builds the model through the
+training-time API in that layout (the rest of the world is data parallel, every rank fed the same tokens), loads the
+same canonical random LoRA, runs one forward and backward through ``api.forward_backward`` (megatron-core's schedule
+for the layout, two micro-batches), reduces the gradients as a trainer does (``api.reduce_lora_grads``), takes one
+SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, the whole model's
+LoRA gradient norm (``api.lora_grad_norm``), each router's top-k expert sets (every token, in sequence order), the
+PEFT adapter the handler's codec exports before and after the step, the merged HF weights after it
+(``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions each; not under
+context parallelism, which needs THD attention for packed rows), the adapter ``api.apply_lora`` draws (its seed
+makes it one canonical adapter in every layout), and the trainer's scoring calls (``api.token_logprobs``,
+``api.group_logprobs``) with how far any rank's rows are from rank 0's. ``single`` (one rank's model, the rest data
+parallel) is the oracle the stage compares every other layout with. A rank's error goes to
+``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
     for handle in handles:
         handle.remove()
     api.reduce_lora_grads(model)
+    grad_norm = torch.tensor([api.lora_grad_norm(model)])
     dtypes, rounded = _dtypes_and_rounding(chunks)
     with torch.no_grad():
         for chunk in chunks:
@@ -235,7 +237,7 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
         tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}
         tensors |= topk | {f"merged.{k}": v for k, v in merged.items()} | {f"fresh.{k}": v for k, v in fresh.items()}
-        tensors |= scored | {"grads_rounded_to_bf16": rounded}
+        tensors |= scored | {"grads_rounded_to_bf16": rounded, "grad_norm": grad_norm}
         # safetensors' metadata holds strings only: the dtypes travel as one JSON string.
         metadata = {"dtypes": json.dumps(dtypes)}
         save_file(

@@ -624,6 +624,17 @@ def _adapter_alias_reused() -> AbstractContextManager[Any]:
     return mock.patch.object(VllmServer, "update_adapter", reused)
 
 
+def _grad_norm_sums_rank_norms() -> AbstractContextManager[Any]:
+    """The global LoRA gradient norm as each rank's own squares summed over the ranks: every replica counted."""
+    from model_support.core.megatron import lora
+
+    def every_grad(model: Any) -> list[torch.Tensor]:
+        modules = lora.lora_modules(model).values()
+        return [p.grad for m in modules for p in (m.lora_A.weight, m.lora_B.weight) if p.grad is not None]
+
+    return mock.patch.object(lora, "counted_grads", every_grad)
+
+
 def _recompute_loses_row_layout() -> AbstractContextManager[Any]:
     return mock.patch("model_support.core.megatron.forward.RowState.again_in_backward", lambda _self, _out: None)
 
@@ -758,6 +769,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              dtype="bf16"),
     Mutation("tp-shard-weights-fp8", "tensor-parallel rank 1's weights pass through float8 in a bf16 build (right in "
              "fp32)", "qwen3", "parallel_parity", _tp_shard_weights_fp8, layouts=("tp2",), dtype="bf16"),
+    Mutation("grad-norm-sums-rank-norms", "api.lora_grad_norm sums every rank's own gradient squares (tensor-, "
+             "data- and context-parallel replicas counted on each rank)", "qwen3", "parallel_parity",
+             _grad_norm_sums_rank_norms, layouts=("tp2", "pp2")),
     Mutation("one-rank-raises", "rank 1 raises in a training step while its peers wait in its collectives", "qwen3",
              "parallel_parity", _one_rank_raises, layouts=("tp2",)),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",

@@ -382,6 +382,45 @@ def reduce_lora_grads(model: Chunks) -> None:
                 dist.all_reduce(param.grad, group=expert if module.expert else dense)
 
 
+def counted_grads(model: Chunks) -> list[torch.Tensor]:
+    """This rank's LoRA gradients that a norm over the whole model counts here, so that every distinct element is
+    counted on exactly one rank: a sharded factor (B of a column-parallel linear, A of a row-parallel one) on each
+    rank of its tensor-parallel (expert: expert-tensor-parallel) group, the other factor, a replica on every rank of
+    that group, on its first rank only; pipeline stages and expert-parallel ranks hold different modules, and
+    data-parallel replicas (with the context-parallel ranks; expert data-parallel for experts) count on their first
+    only. The gradients must be reduced first (:func:`reduce_lora_grads`)."""
+    from megatron.core import parallel_state
+
+    owner = {
+        False: parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0,
+        True: parallel_state.get_expert_data_parallel_rank() == 0,
+    }
+    counted = []
+    for module in lora_modules(model).values():
+        if not owner[module.expert]:
+            continue
+        sharded, replicated = (
+            (module.lora_B.weight, module.lora_A.weight)
+            if module.column
+            else (module.lora_A.weight, module.lora_B.weight)
+        )
+        for param in (sharded, replicated) if module.group.rank() == 0 else (sharded,):
+            if param.grad is not None:
+                counted.append(param.grad)
+    return counted
+
+
+def lora_grad_norm(model: Chunks) -> torch.Tensor:
+    """The L2 norm of the whole model's LoRA gradients (fp32 scalar, the same on every rank): the squares of
+    :func:`counted_grads` summed over every rank."""
+    device = next(iter(lora_modules(model).values())).lora_A.weight.device
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in counted_grads(model):
+        squares += grad.double().pow(2).sum()
+    dist.all_reduce(squares)
+    return squares.sqrt().float()
+
+
 def fresh_factors(
     name: str, seed: int, shape_a: tuple[int, int], shape_b: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:

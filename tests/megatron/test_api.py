@@ -121,6 +121,24 @@ def test_packed_token_logprobs_equal_separate_runs_and_carry_gradients(qwen35):
     qwen35.module.zero_grad(set_to_none=True)
 
 
+def test_lora_grad_norm_and_clipping_on_one_rank_are_torch_s(qwen35):
+    """On one rank the whole model's LoRA gradient norm is torch's over every LoRA gradient, and clipping scales
+    them as ``torch.nn.utils.clip_grad_norm_`` would (across ranks: parallel_parity's ``grad_norm_rel_err``)."""
+    load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=7, b_std=0.05))
+    api.token_logprobs(qwen35, [[5, 9, 33, 71, 2, 8, 40, 41]])[0][:, 3].sum().backward()
+    api.reduce_lora_grads(qwen35)
+    params = [p for p in qwen35.module.parameters() if p.requires_grad]
+    grads = [p.grad.clone() for p in params]
+    want = torch.nn.utils.get_total_norm(grads).item()
+    assert want > 0 and api.lora_grad_norm(qwen35) == pytest.approx(want, rel=1e-6)
+    assert api.clip_lora_grads(qwen35, want * 2) == pytest.approx(want, rel=1e-6)  # under the limit: unchanged
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    assert api.clip_lora_grads(qwen35, want / 4) == pytest.approx(want, rel=1e-6)
+    assert api.lora_grad_norm(qwen35) == pytest.approx(want / 4, rel=1e-5)
+    assert all(torch.allclose(p.grad, g / 4, rtol=1e-5, atol=0) for p, g in zip(params, grads, strict=True))
+    qwen35.module.zero_grad(set_to_none=True)
+
+
 def test_group_logprobs_computes_the_prompt_once_and_equals_each_full_row(qwen35):
     load_lora_state(qwen35.module, random_lora_state(qwen35.module, seed=9, b_std=0.05))
     prompt, completions = [11, 12, 13, 14, 15, 16, 17], [[21, 22, 23], [31, 32], [41, 42, 43, 44]]

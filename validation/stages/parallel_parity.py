@@ -82,7 +82,8 @@ class ParallelParityStage(Stage):
     LoRA, the same tokens (rows across every length-dependent structure of the model, as in ``hf_parity``, rounded
     up to a multiple of every split). Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the
     loss, every LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and
-    mean-abs-percent of the oracle's update), each router's top-k expert sets (identical), the PEFT adapter exported
+    mean-abs-percent of the oracle's update), the whole model's LoRA gradient norm ``api.lora_grad_norm``
+    (relative), each router's top-k expert sets (identical), the PEFT adapter exported
     before the step (bit for bit), the merged HF weights exported after it (max-abs, every tensor present), the
     logits of a shared-prefix row (a prompt and its completions; not under context parallelism), the fresh adapter
     ``api.apply_lora`` draws (bit for bit: its seed makes it canonical), and the trainer's scoring calls
@@ -123,6 +124,8 @@ class ParallelParityStage(Stage):
         "loss_abs_err": 1e-5,
         "grad_max_abs_err": 1e-5,
         "grad_mean_abs_pct": 0.01,
+        # api.lora_grad_norm, relative: a replica counted twice or a shard left out is off by O(1)
+        "grad_norm_rel_err": 1e-5,
         "router_topk_mismatches": 0,
         "adapter_mismatches": 0,
         # beyond one rounding of base + LoRA the other way in the checkpoint's dtype (bf16 / fp16 checkpoints)
@@ -445,6 +448,7 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "loss_abs_err": (other["loss"] - oracle["loss"]).abs().item(),
         "grad_max_abs_err": update_err.abs().max().item() / lr,
         "grad_mean_abs_pct": 100 * update_err.abs().mean().item() / max(update.abs().mean().item(), 1e-30),
+        "grad_norm_rel_err": ((other["grad_norm"] - oracle["grad_norm"]).abs() / oracle["grad_norm"]).item(),
         "router_topk_mismatches": topk_mismatches,
         "adapter_mismatches": _adapter_mismatches(oracle, other),
         "merged_max_abs_err": merged_err,
