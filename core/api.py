@@ -20,6 +20,7 @@ them down) and sets up a world of one otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -430,6 +431,18 @@ def reduce_lora_grads(model: TrainingModel) -> None:
     from model_support.core.megatron.lora import reduce_lora_grads as reduce
 
     reduce(model.chunks)
+
+
+@contextlib.contextmanager
+def lora_disabled(model: TrainingModel) -> Iterator[None]:
+    """Inside, the model computes without its LoRA: the base policy, for a KL term's reference log-probs
+    (``with api.lora_disabled(model): ref = api.token_logprobs(model, rows)``), in any layout, with no second copy
+    of the weights. Every rank enters it around the same calls; the adapter is untouched."""
+    from model_support.core.megatron.lora import lora_disabled as disabled
+
+    _require_lora(model)
+    with disabled(model.chunks):
+        yield
 
 
 def lora_grad_norm(model: TrainingModel) -> float:

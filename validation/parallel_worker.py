@@ -37,7 +37,7 @@ from model_support.core.layout import long_row_length
 from model_support.core.megatron.context_parallel import whole_sequence
 from model_support.core.megatron.dist import ParallelLayout
 from model_support.core.megatron.forward import MicroBatch
-from model_support.core.megatron.lora import load_lora_state, lora_state, random_lora_state
+from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
 from model_support.core.megatron.names import global_name
 from model_support.core.megatron.rows import RowLayout
 from model_support.core.precision import exact_fp32
@@ -165,6 +165,12 @@ def _scored(model: api.TrainingModel) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         rows = {f"token_logprobs.{i}": r for i, r in enumerate(api.token_logprobs(model, sequences))}
         rows |= {f"group_logprobs.{i}": r for i, r in enumerate(api.group_logprobs(model, prompt, completions))}
+        with api.lora_disabled(model):
+            rows |= {f"reference_logprobs.{i}": r for i, r in enumerate(api.token_logprobs(model, sequences))}
+        base = _base_logprobs(model, sequences)
+    # The reference policy is the model with B = 0 (what the LoRA adds is B A x), on every rank.
+    off = max((rows[f"reference_logprobs.{i}"] - r).abs().max() for i, r in enumerate(base)).reshape(1)
+    dist.all_reduce(off, op=dist.ReduceOp.MAX)
     shapes: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(shapes, [tuple(r.shape) for r in rows.values()])
     spread = torch.tensor(0.0 if all(s == shapes[0] for s in shapes) else float("inf"))
@@ -175,7 +181,21 @@ def _scored(model: api.TrainingModel) -> dict[str, torch.Tensor]:
             spread = torch.maximum(spread, (mine - first).abs().max().cpu())
     spread = spread.to(next(iter(rows.values())).device)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return rows | {"logprobs_rank_spread": spread.reshape(1)}
+    return rows | {"logprobs_rank_spread": spread.reshape(1), "reference_logprobs_err": off}
+
+
+def _base_logprobs(model: api.TrainingModel, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """``api.token_logprobs`` of ``sequences`` with every LoRA B zeroed on this rank (every rank does), then put
+    back."""
+    modules = list(lora_modules(model.chunks).values())
+    kept = [module.lora_B.weight.clone() for module in modules]
+    for module in modules:
+        module.lora_B.weight.zero_()
+    try:
+        return api.token_logprobs(model, sequences)
+    finally:
+        for module, weight in zip(modules, kept, strict=True):
+            module.lora_B.weight.copy_(weight)
 
 
 def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, timeout: timedelta | None = None) -> None:

@@ -635,6 +635,24 @@ def _grad_norm_sums_rank_norms() -> AbstractContextManager[Any]:
     return mock.patch.object(lora, "counted_grads", every_grad)
 
 
+def _lora_disabled_keeps_row_parallel() -> AbstractContextManager[Any]:
+    """``api.lora_disabled`` turns off the column-parallel LoRA modules only."""
+    from model_support.core.megatron import lora
+
+    @contextmanager
+    def columns_only(model: Any) -> Iterator[None]:
+        columns = [m for m in lora.lora_modules(model).values() if m.column]
+        for module in columns:
+            module.enabled = False
+        try:
+            yield
+        finally:
+            for module in columns:
+                module.enabled = True
+
+    return mock.patch.object(lora, "lora_disabled", columns_only)
+
+
 def _recompute_loses_row_layout() -> AbstractContextManager[Any]:
     return mock.patch("model_support.core.megatron.forward.RowState.again_in_backward", lambda _self, _out: None)
 
@@ -772,6 +790,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("grad-norm-sums-rank-norms", "api.lora_grad_norm sums every rank's own gradient squares (tensor-, "
              "data- and context-parallel replicas counted on each rank)", "qwen3", "parallel_parity",
              _grad_norm_sums_rank_norms, layouts=("tp2", "pp2")),
+    Mutation("lora-disabled-keeps-row-parallel", "api.lora_disabled (the reference policy) turns off the "
+             "column-parallel LoRA only", "qwen3", "parallel_parity", _lora_disabled_keeps_row_parallel,
+             layouts=("tp2",)),
     Mutation("one-rank-raises", "rank 1 raises in a training step while its peers wait in its collectives", "qwen3",
              "parallel_parity", _one_rank_raises, layouts=("tp2",)),
     Mutation("cp-keys-not-gathered", "context-parallel attention sees its own rank's keys only", "qwen3",

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ class LoraLinear(torch.nn.Module):
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         replicated = self.lora_A.weight if self.column else self.lora_B.weight
         replicated.sequence_parallel = self.sequence_parallel
+        self.enabled = True  # False: the base linear alone (:func:`lora_disabled`)
 
     def reset_parameters(self) -> None:
         """A fresh adapter: A drawn as ``torch.nn.Linear`` draws it, B = 0 (so the model is unchanged)."""
@@ -108,6 +110,8 @@ class LoraLinear(torch.nn.Module):
         # A projection with its own output norm takes the update before that norm, as the merged weight would.
         post_norm = getattr(self.base, "post_layernorm", None)
         out, bias = (self.base if post_norm is None else self.base.project)(x, *args, **kwargs)
+        if not self.enabled:
+            return (out if post_norm is None else post_norm(out)), bias
         weight_a, weight_b = self.lora_A.weight, self.lora_B.weight
         if self.local and self.tp > 1:
             # Expert tensor parallel: the dispatcher gives every rank the same tokens, sums the row-parallel outputs
@@ -380,6 +384,20 @@ def reduce_lora_grads(model: Chunks) -> None:
             if param.grad is not None:
                 param.grad *= scale
                 dist.all_reduce(param.grad, group=expert if module.expert else dense)
+
+
+@contextmanager
+def lora_disabled(model: Chunks) -> Iterator[None]:
+    """Every LoRA module of ``model`` computes its base linear alone while the context is open (this rank's modules:
+    every rank enters it, so the layers' communication stays matched)."""
+    modules = list(lora_modules(model).values())
+    for module in modules:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.enabled = True
 
 
 def counted_grads(model: Chunks) -> list[torch.Tensor]:

@@ -121,6 +121,24 @@ def test_packed_token_logprobs_equal_separate_runs_and_carry_gradients(qwen35):
     qwen35.module.zero_grad(set_to_none=True)
 
 
+def test_lora_disabled_scores_the_base_model_and_leaves_the_adapter(qwen35):
+    """The reference policy of a KL term: inside ``api.lora_disabled`` the model is its base (the same as with every
+    B zeroed); outside, the adapter computes again (across layouts: parallel_parity's ``reference_logprobs_err``)."""
+    state = random_lora_state(qwen35.module, seed=8, b_std=0.05)
+    load_lora_state(qwen35.module, state)
+    rows = [[5, 9, 33, 71, 2, 8, 40, 41]]
+    with torch.no_grad():
+        tuned = api.token_logprobs(qwen35, rows)[0]
+        with api.lora_disabled(qwen35):
+            reference = api.token_logprobs(qwen35, rows)[0]
+        after = api.token_logprobs(qwen35, rows)[0]
+        load_lora_state(qwen35.module, {k: v if "lora_A" in k else torch.zeros_like(v) for k, v in state.items()})
+        base = api.token_logprobs(qwen35, rows)[0]
+    load_lora_state(qwen35.module, state)
+    assert torch.equal(reference, base) and torch.equal(after, tuned)
+    assert (tuned - base).abs().max().item() > 1e-3  # the adapter does change the model
+
+
 def test_lora_grad_norm_and_clipping_on_one_rank_are_torch_s(qwen35):
     """On one rank the whole model's LoRA gradient norm is torch's over every LoRA gradient, and clipping scales
     them as ``torch.nn.utils.clip_grad_norm_`` would (across ranks: parallel_parity's ``grad_norm_rel_err``)."""

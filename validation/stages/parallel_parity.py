@@ -76,26 +76,26 @@ def _error_line(out: Path, layout: str) -> str:
 
 
 class ParallelParityStage(Stage):
-    """The handler's model in each parallel layout against the same model on one rank (the oracle, fp32), in one
-    job of ranks forked from one process (:mod:`model_support.validation.parallel_worker`, started while the stages
-    before this one run; gloo on the CPU): the same canonical random
-    LoRA, the same tokens (rows across every length-dependent structure of the model, as in ``hf_parity``, rounded
-    up to a multiple of every split). Per layout: the logits (max-abs and mean-abs-percent of the oracle's), the
-    loss, every LoRA gradient (through one SGD step, exported through the handler's codec: max-abs and
-    mean-abs-percent of the oracle's update), the whole model's LoRA gradient norm ``api.lora_grad_norm``
-    (relative), each router's top-k expert sets (identical), the PEFT adapter exported
-    before the step (bit for bit), the merged HF weights exported after it (max-abs, every tensor present), the
-    logits of a shared-prefix row (a prompt and its completions; not under context parallelism), the fresh adapter
+    """The handler's model in each parallel layout against the same model on one rank (the oracle, fp32), in one job of
+    ranks forked from one process (:mod:`model_support.validation.parallel_worker`, started while the stages before this
+    one run; gloo on the CPU): the same canonical random LoRA, the same tokens (rows across every length-dependent
+    structure of the model, as in ``hf_parity``, rounded up to a multiple of every split). Per layout: the logits
+    (max-abs and mean-abs-percent of the oracle's), the loss, every LoRA gradient (through one SGD step, exported
+    through the handler's codec: max-abs and mean-abs-percent of the oracle's update), the whole model's LoRA gradient
+    norm ``api.lora_grad_norm`` (relative), each router's top-k expert sets (identical), the PEFT adapter exported
+    before the step (bit for bit), the merged HF weights exported after it (max-abs, every tensor present), the logits
+    of a shared-prefix row (a prompt and its completions; not under context parallelism), the fresh adapter
     ``api.apply_lora`` draws (bit for bit: its seed makes it canonical), and the trainer's scoring calls
-    ``api.token_logprobs`` (a row across the model's length structures) and ``api.group_logprobs`` (max-abs, and
-    every rank's rows within that of rank 0's, the first pipeline stage included). The forward and backward run
-    through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two micro-batches. Layouts come
-    from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, etp2, tp2-sp, pp2,
-    pp2-vp2, cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses (``RuntimePolicy.parallel_limits``) or the
-    model cannot be split into (layers per pipeline chunk) is named with its reason instead. A tiny replica keeps
-    the fewest layers that hold every layer kind (CI checks every family this way), so ``pp2-vp2`` (four chunks) is
-    checked on the four-layer GDN replicas and named as not checked on two-layer ones; ``model-support tiny
-    --layers 4`` builds one deep enough.
+    ``api.token_logprobs`` (a row across the model's length structures) and ``api.group_logprobs`` (max-abs, and every
+    rank's rows within that of rank 0's, the first pipeline stage included), and ``api.token_logprobs`` under
+    ``api.lora_disabled`` (the reference policy: the oracle's, and the same layout's with every LoRA B zeroed). The
+    forward and backward run through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two
+    micro-batches. Layouts come from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2,
+    etp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses
+    (``RuntimePolicy.parallel_limits``) or the model cannot be split into (layers per pipeline chunk) is named with its
+    reason instead. A tiny replica keeps the fewest layers that hold every layer kind (CI checks every family this way),
+    so ``pp2-vp2`` (four chunks) is checked on the four-layer GDN replicas and named as not checked on two-layer ones;
+    ``model-support tiny --layers 4`` builds one deep enough.
 
     On a node with GPUs the job runs one process per GPU (NCCL), each rank on the GPU its ``LOCAL_RANK`` names, and a
     layout needing more GPUs than the node has is named as not checked; without GPUs (or with
@@ -133,6 +133,8 @@ class ParallelParityStage(Stage):
         "shared_row_logits_max_abs_err": 1e-4,
         "logprobs_max_abs_err": 1e-4,
         "logprobs_rank_spread": 1e-4,
+        # api.lora_disabled against the same layout with every LoRA B zeroed: the base model, or LoRA left on
+        "reference_logprobs_err": 1e-4,
         "merged_mismatches": 0,
         "dtype_mismatches": 0,
         # An fp32 LoRA gradient holding bf16 values only was reduced or accumulated in bf16 (any layout, the oracle's
@@ -459,6 +461,7 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "merged_mismatches": merged_mismatches,
         "logprobs_max_abs_err": _logprobs_err(oracle, other),
         "logprobs_rank_spread": other["logprobs_rank_spread"].item() if "logprobs_rank_spread" in other else inf,
+        "reference_logprobs_err": other["reference_logprobs_err"].item() if "reference_logprobs_err" in other else inf,
         "grads_rounded_to_bf16": float(other["grads_rounded_to_bf16"]),
     }
 
@@ -481,9 +484,10 @@ def beyond_rounding(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 def _logprobs_err(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
-    """Max-abs distance of the layout's ``api.token_logprobs`` / ``api.group_logprobs`` rows from the oracle's
+    """Max-abs distance of the layout's ``api.token_logprobs`` / ``api.group_logprobs`` rows (and the former under
+    ``api.lora_disabled``) from the oracle's
     (infinite when a row is missing or has another shape)."""
-    keys = [k for k in oracle if k.startswith(("token_logprobs.", "group_logprobs."))]
+    keys = [k for k in oracle if k.startswith(("token_logprobs.", "group_logprobs.", "reference_logprobs."))]
     if not keys or any(k not in other or other[k].shape != oracle[k].shape for k in keys):
         return inf
     return max((other[k] - oracle[k]).abs().max().item() for k in keys)
