@@ -104,6 +104,18 @@ class Server(Protocol):
         ``policy_epoch``, ``kv_cache_epoch``, ``num_evictions``."""
         ...
 
+    def generate_many(
+        self, prompts: list[list[int]], *, model: str | None = None, **sampling: Any
+    ) -> list[list[dict[str, Any]]]:
+        """:meth:`generate` of every prompt, the requests in flight together; each prompt's choices, in order."""
+        ...
+
+    async def agenerate_many(
+        self, prompts: list[list[int]], *, model: str | None = None, **sampling: Any
+    ) -> list[list[dict[str, Any]]]:
+        """:meth:`generate_many` in the caller's event loop."""
+        ...
+
     def rename(self, name: str) -> None: ...
 
     def prefix_cache_hits(self) -> int | None:

@@ -115,20 +115,39 @@ class ServerClient:
     async def achoices_many(self, prompts: list[list[int]], *, model: str, **params: Any) -> list[list[dict[str, Any]]]:
         """:meth:`choices_many` in the caller's event loop, at most ``concurrency`` requests in flight."""
         arguments = _arguments(params, _COMPLETION_FIELDS)
+
+        async def one(client: openai.AsyncOpenAI, prompt_ids: list[int]) -> list[dict[str, Any]]:
+            answer = await client.completions.create(model=model, prompt=prompt_ids, **arguments)
+            return _by_index(answer.choices)
+
+        return await self._concurrently(one, prompts)
+
+    async def apost_many(self, url: str, bodies: list[dict[str, Any]]) -> list[Any]:
+        """Each of ``bodies`` POSTed to ``url`` (the server's own routes beside ``/v1``, e.g. vLLM's
+        ``/inference/v1/generate``) through the ``openai`` asyncio client (its retries, timeout and key), at most
+        ``concurrency`` in flight; the JSON answers in order."""
+
+        async def one(client: openai.AsyncOpenAI, body: dict[str, Any]) -> Any:
+            return await client.post(url, cast_to=object, body=body)
+
+        return await self._concurrently(one, bodies)
+
+    async def _concurrently(self, call: Callable[[openai.AsyncOpenAI, Any], Any], items: list[Any]) -> list[Any]:
+        """``call(client, item)`` for every item, at most ``concurrency`` at once; the results in order, each
+        failure as a :class:`ServerError` (the other calls end before their client closes)."""
         gate = asyncio.Semaphore(self.concurrency)
         # An asyncio client belongs to the loop it runs in: one per batch, closed with it.
         async with openai.AsyncOpenAI(**self._settings()) as client:
 
-            async def one(prompt_ids: list[int]) -> list[dict[str, Any]]:
+            async def one(item: Any) -> Any:
                 async with gate:
                     with self._errors():
-                        answer = await client.completions.create(model=model, prompt=prompt_ids, **arguments)
-                return _by_index(answer.choices)
+                        return await call(client, item)
 
-            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            tasks = [asyncio.ensure_future(one(item)) for item in items]
             try:
                 return list(await asyncio.gather(*tasks))
-            finally:  # after a failure, the other requests end before their client closes
+            finally:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

@@ -17,21 +17,22 @@ class ServeOptions:
     """How a server starts (``api.serve``, and the harness's servers alike). The defaults serve every shipped
     family's tiny replica on the CPU build; ``None`` means "from the checkpoint" (:meth:`for_checkpoint`).
 
-    ``dtype``: vLLM's ``--dtype`` ("auto" keeps the checkpoint's). ``max_model_len``, ``max_num_seqs``: vLLM's
-    limits of a sequence's length and of the sequences in flight. ``kv_cache_gib``: the KV cache on the CPU build
-    (``VLLM_CPU_KVCACHE_SPACE``); ``gpu_memory_utilization``: the share of a GPU's memory vLLM takes (``None``:
-    vLLM's default). ``tensor_parallel_size``: GPUs per server. ``enforce_eager``: no CUDA graphs or
+    ``dtype``: vLLM's ``--dtype``; "auto" is vLLM's choice: a bf16 or fp16 checkpoint's own dtype, but bf16 (fp16 where
+    bf16 is not supported) for an fp32 checkpoint; "float32" serves an fp32 checkpoint as it is. ``max_model_len``,
+    ``max_num_seqs``: vLLM's limits of a sequence's length and of the sequences in flight. ``kv_cache_gib``: the KV
+    cache on the CPU build (``VLLM_CPU_KVCACHE_SPACE``); ``gpu_memory_utilization``: the share of a GPU's memory vLLM
+    takes (``None``: vLLM's default). ``tensor_parallel_size``: GPUs per server. ``enforce_eager``: no CUDA graphs or
     ``torch.compile`` (fast to start; off for throughput on a GPU). ``enable_lora`` with ``max_lora_rank`` and
-    ``max_loras``: adapters loaded at run time (``Server.load_lora``). ``moe``: the model has routed experts, so
-    its LoRA adapters hold one LoRA per expert (vLLM's 2-D MoE LoRA format is forced); ``language_model_only``:
-    serve only the text model of a multimodal checkpoint (no image processor is loaded). ``extra_args``: further
-    ``vllm serve`` arguments, passed on as they are, after the ones above. ``weight_transfer``: how
-    ``Server.update_weights`` reaches the model: "stream" (vLLM's weight-transfer interface with the project's local
-    engine: buckets streamed through memory, applied after the last), "collective" (the same interface, each bucket
-    broadcast from the trainer's device to the server's: NCCL GPU to GPU, gloo on the CPU build) or "files" (each
-    step written as a checkpoint and reloaded from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0,
-    the server on ``"1"``), its ``CUDA_VISIBLE_DEVICES``. ``enable_sleep_mode``: ``Server.sleep`` / ``wake_up``
-    can give the server's GPU memory to a trainer on the same GPU and take it back (vLLM's sleep mode, GPUs only).
+    ``max_loras``: adapters loaded at run time (``Server.load_lora``). ``moe``: the model has routed experts, so its
+    LoRA adapters hold one LoRA per expert (vLLM's 2-D MoE LoRA format is forced); ``language_model_only``: serve only
+    the text model of a multimodal checkpoint (no image processor is loaded). ``extra_args``: further ``vllm serve``
+    arguments, passed on as they are, after the ones above. ``weight_transfer``: how ``Server.update_weights`` reaches
+    the model: "stream" (vLLM's weight-transfer interface with the project's local engine: buckets streamed through
+    memory, applied after the last), "collective" (the same interface, each bucket broadcast from the trainer's device
+    to the server's: NCCL GPU to GPU, gloo on the CPU build) or "files" (each step written as a checkpoint and reloaded
+    from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0, the server on ``"1"``), its
+    ``CUDA_VISIBLE_DEVICES``. ``enable_sleep_mode``: ``Server.sleep`` / ``wake_up`` can give the server's GPU memory to
+    a trainer on the same GPU and take it back (vLLM's sleep mode, GPUs only).
     """
 
     dtype: str = "auto"

@@ -365,7 +365,7 @@ class WeightUpdater:
         lock = threading.Lock()
 
         def post(path: Path, last: bool) -> None:
-            update = {"update_info": {"path": str(path), "is_last": last}}
+            update = {"update_info": {"path": str(Path(path).absolute()), "is_last": last}}
             if not last:
                 self.server.request("/update_weights", update)
                 return

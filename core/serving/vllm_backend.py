@@ -8,6 +8,7 @@ here), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (share the cores). Development endpo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -251,7 +252,8 @@ class VllmServer:
         return self.client.models()
 
     def load_lora(self, name: str, path: Path) -> None:
-        body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        # vLLM resolves a relative path against its own working directory (a 404 for the caller's).
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(Path(path).absolute())}
         # LoRA on stacked expert tensors (PEFT's target_parameters, gpt-oss's experts) is vLLM's "3D" MoE format,
         # which its 2-D MoE LoRA wrapper (--enable-mixed-moe-lora-format) converts when the request says so.
         if json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("target_parameters"):
@@ -264,7 +266,7 @@ class VllmServer:
     def reload_weights(self, weights_dir: Path) -> None:
         """Load a complete checkpoint into the live model in place (vLLM's worker ``reload_weights``). The prefix
         cache still holds what the old weights computed: :meth:`update_weights` resets it (running requests too)."""
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(weights_dir).absolute())}}
         self.request("/collective_rpc", body)
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:
@@ -408,28 +410,53 @@ class VllmServer:
         flight finish on theirs (``tests/serving/test_inplace.py``). Its staleness fields are the adapter's step
         (``name@N``: N) for every token, with no eviction; vLLM's weight versions count the base's updates only.
         """
+        bodies = self._bodies(prompt, model, sampling)
+        return self._finished(model, [self.request("/inference/v1/generate", body) for body in bodies])
+
+    def generate_many(
+        self, prompts: list[list[int]], *, model: str | None = None, **sampling: Any
+    ) -> list[list[dict[str, Any]]]:
+        """:meth:`generate` of every prompt, the requests sent together (at most the client's ``concurrency`` in
+        flight: vLLM batches them as one rollout); each prompt's choices, with their staleness fields, in prompt
+        order. Runs an event loop of its own: from a coroutine, await :meth:`agenerate_many`."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs in this thread: the usual case
+            return asyncio.run(self.agenerate_many(prompts, model=model, **sampling))
+        raise RuntimeError("generate_many called inside a running event loop: await agenerate_many instead")
+
+    async def agenerate_many(
+        self, prompts: list[list[int]], *, model: str | None = None, **sampling: Any
+    ) -> list[list[dict[str, Any]]]:
+        """:meth:`generate_many` in the caller's event loop (an async trainer's rollouts)."""
+        requests = [self._bodies(prompt, model, sampling) for prompt in prompts]
+        flat = [body for bodies in requests for body in bodies]
+        answers = iter(await self.client.apost_many(f"{self.base_url}/inference/v1/generate", flat))
+        return [self._finished(model, [next(answers) for _ in bodies]) for bodies in requests]
+
+    def _bodies(self, prompt: list[int], model: str | None, sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        """The generate route's request bodies for one prompt: one, or one per choice where the route answers
+        n > 1 with the last engine step's choices only (before 0.32: a cumulative output kind), each seeded as vLLM
+        seeds its n children (seed + index)."""
+        body = {"token_ids": prompt, "model": model or self.served_name}
         n, seed = sampling.get("n", 1), sampling.get("seed")
-        if n > 1 and not self.features.has("generate_n"):
-            # Before 0.32 the route answers n > 1 with the last engine step's choices only (a cumulative output
-            # kind): one request per choice, each seeded as vLLM seeds its n children (seed + index).
-            choices = [
-                {**choice, "index": index}
-                for index in range(n)
-                for choice in self._generate(
-                    prompt, model, {**sampling, "n": 1} | ({} if seed is None else {"seed": seed + index})
-                )
-            ]
-        else:
-            choices = self._generate(prompt, model, sampling)
+        if n == 1 or self.features.has("generate_n"):
+            return [{**body, "sampling_params": sampling}]
+        return [
+            {**body, "sampling_params": {**sampling, "n": 1} | ({} if seed is None else {"seed": seed + index})}
+            for index in range(n)
+        ]
+
+    def _finished(self, model: str | None, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One prompt's choices from its requests' answers, in index order, with their staleness fields."""
+        if len(answers) == 1:
+            choices = sorted((with_token_ids(c) for c in answers[0]["choices"]), key=lambda c: c["index"])
+        else:  # one answer per choice (see _bodies)
+            choices = [{**with_token_ids(a["choices"][0]), "index": i} for i, a in enumerate(answers)]
         if model is not None and model != self.served_name:
             return [adapter_staleness(c, parse_served_name(model)[1]) for c in choices]
         # A vLLM without per-token weight versions (before 0.32) gives none of the staleness fields, not empty ones.
         return [staleness(c) for c in choices] if self.features.has("token_weight_versions") else choices
-
-    def _generate(self, prompt: list[int], model: str | None, sampling: dict[str, Any]) -> list[dict[str, Any]]:
-        body = {"token_ids": prompt, "sampling_params": sampling, "model": model or self.served_name}
-        choices = self.request("/inference/v1/generate", body)["choices"]
-        return sorted((with_token_ids(c) for c in choices), key=lambda c: c["index"])
 
 
 def with_token_ids(choice: dict[str, Any]) -> dict[str, Any]:

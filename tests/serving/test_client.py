@@ -113,6 +113,47 @@ def test_generate_gives_all_n_choices_on_a_vllm_that_answers_with_some(server, m
 
 
 @pytest.mark.slow
+def test_generate_many_equals_generate_of_each_prompt(server, monkeypatch: pytest.MonkeyPatch):
+    """A rollout's prompts in flight together (sync, and the async variant in the caller's loop) give what
+    ``generate`` gives one prompt at a time: the same choices in prompt and index order, with the staleness fields;
+    a vLLM that answers n > 1 with some choices is asked one choice at a time here too."""
+    sampling = {"n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 5, "logprobs": 0}
+    sequential = [server.generate(p, **sampling) for p in PROMPTS]
+    in_loop = asyncio.run(server.agenerate_many(PROMPTS, **sampling))
+    for batch in (server.generate_many(PROMPTS, **sampling), in_loop):
+        assert len(batch) == len(PROMPTS)
+        for got, expected in zip(batch, sequential, strict=True):
+            assert [c["index"] for c in got] == [0, 1, 2]
+            assert [c["token_ids"] for c in got] == [c["token_ids"] for c in expected]
+            assert [c["policy_epoch"] for c in got] == [c["policy_epoch"] for c in expected]
+            _assert_close(
+                [e["logprob"] for c in got for e in c["logprobs"]["content"]],
+                [e["logprob"] for c in expected for e in c["logprobs"]["content"]],
+            )
+    monkeypatch.setattr(server, "features", VllmFeatures("0.26.0"))
+    fanned = server.generate_many(PROMPTS, **sampling)
+    assert [[c["token_ids"] for c in group] for group in fanned] == [
+        [c["token_ids"] for c in group] for group in sequential
+    ]
+
+
+@pytest.mark.slow
+def test_an_adapter_path_relative_to_the_callers_directory_loads(server, tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM runs in a directory of its own: a relative adapter path is the caller's, sent made absolute."""
+    from model_support.handlers import BUILTIN_HANDLERS
+    from tests.serving.adapters import random_adapter
+
+    targets = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modules
+    random_adapter(tiny_model_dir("qwen3"), targets, tmp_path / "adapter", seed=3)
+    monkeypatch.chdir(tmp_path)
+    server.load_lora("relative-adapter", Path("adapter"))
+    try:
+        assert len(server.completion(PROMPTS[0], model="relative-adapter", max_tokens=2)["token_ids"]) == 2
+    finally:
+        server.unload_lora("relative-adapter")
+
+
+@pytest.mark.slow
 def test_stream_concatenates_to_the_completion(server):
     whole = server.completion(PROMPTS[2], **GREEDY)
     chunks = list(server.stream(PROMPTS[2], **GREEDY))
