@@ -365,10 +365,12 @@ def push_weights(
     return server.update_weights(weights)
 
 
-def push_adapter(server: Server | None, model: TrainingModel) -> str | None:
+def push_adapter(server: Server | None, model: TrainingModel, name: str | None = None) -> str | None:
     """Hot-swap the model's LoRA into ``server`` as a PEFT adapter (exported through the handler's codec): loaded
-    as ``<model>-lora@N+1`` beside the untouched base, the previous adapter unloaded; returns the adapter's name,
-    to send requests to. For families whose vLLM LoRA is native (``spec.vllm_lora.native``; the server started
+    as ``<name>@N+1`` (default name ``<model>-lora``) beside the untouched base and the other adapters, that name's
+    previous step unloaded; returns the adapter's served name, to send requests to. Several adapters trained on one
+    base (one per run or task: load each one's LoRA with :func:`load_adapter` before its push) are served side by
+    side under their own names. For families whose vLLM LoRA is native (``spec.vllm_lora.native``; the server started
     with ``ServeOptions(enable_lora=True)``). Every rank calls it (:func:`export_adapter` gathers); the rank that
     talks to the server passes it, the others pass ``None`` and get ``None``."""
     import tempfile
@@ -380,7 +382,7 @@ def push_adapter(server: Server | None, model: TrainingModel) -> str | None:
     out = Path(tempfile.mkdtemp(prefix="adapter-")) if writes else Path(tempfile.gettempdir()) / "adapter-unused"
     try:
         export_adapter(model, out)
-        return None if server is None else server.update_adapter(out)  # the server loads a copy of its own
+        return None if server is None else server.update_adapter(out, name)  # the server loads a copy of its own
     finally:
         if writes:
             shutil.rmtree(out, ignore_errors=True)

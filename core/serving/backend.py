@@ -79,12 +79,13 @@ class Server(Protocol):
         """Apply one step of HF-named weight buckets in place once the last has arrived; returns the new name."""
         ...
 
-    def update_adapter(self, adapter_dir: Path) -> str:
-        """Hot-swap the served LoRA adapter (``<model>-lora@N`` -> ``@N+1``); returns the new adapter's name."""
+    def update_adapter(self, adapter_dir: Path, name: str | None = None) -> str:
+        """Hot-swap the LoRA adapter ``name`` (default ``<model>-lora``; ``name@N`` -> ``@N+1``), the others served
+        beside it untouched; returns the new adapter's served name."""
         ...
 
-    def remove_adapter(self) -> None:
-        """Unload the adapter :meth:`update_adapter` serves, if any."""
+    def remove_adapter(self, name: str | None = None) -> None:
+        """Unload the adapter ``name`` (default ``<model>-lora``) :meth:`update_adapter` serves, if any."""
         ...
 
     def pause(self) -> None:

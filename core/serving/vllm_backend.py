@@ -103,7 +103,7 @@ class VllmServer:
         self._key = key
         self.base_url = f"http://127.0.0.1:{port}"
         self._updater: WeightUpdater | None = None
-        self._adapter: tuple[str, Path] | None = None
+        self._adapters: dict[str, tuple[str, Path]] = {}  # adapter name -> (its served name @N, the server's copy)
         self._client: ServerClient | None = None  # the /v1 client, made on first use (see `client`)
         self._ready = False
         self._background: threading.Thread | None = None
@@ -285,26 +285,31 @@ class VllmServer:
             )
         return self._updater.update(buckets)
 
-    def update_adapter(self, adapter_dir: Path) -> str:
-        """Hot-swap the served LoRA adapter: load the PEFT adapter at ``adapter_dir`` as ``<model>-lora@N+1`` (the
-        base keeps its name and weights), then unload ``@N``; returns the new name. The server loads its own copy
-        of the adapter's files (``adapter_*``, in the server's temporary directory, removed when that adapter is
-        unloaded): ``adapter_dir`` is left as it was, and may be reused for the next step."""
+    def update_adapter(self, adapter_dir: Path, name: str | None = None) -> str:
+        """Hot-swap the LoRA adapter ``name`` (default ``<model>-lora``): load the PEFT adapter at ``adapter_dir`` as
+        ``<name>@N+1`` (the base and every other adapter keep their names and weights), then unload ``<name>@N``;
+        returns the new served name. Several adapters are served side by side (one per run or task); vLLM batches
+        requests of up to ``ServeOptions.max_loras`` of them at once. The server loads its own copy of the adapter's
+        files (``adapter_*``, in the server's temporary directory, removed when that adapter is unloaded):
+        ``adapter_dir`` is left as it was, and may be reused for the next step."""
         model, _ = parse_served_name(self.served_name)
-        previous = self._adapter
+        name = f"{model}-lora" if name is None else name
+        if not name or "@" in name or name == model:
+            raise ServerError(f"adapter name {name!r}: give a name without '@', other than the base model's {model!r}")
+        previous = self._adapters.get(name)
         step = 0 if previous is None else parse_served_name(previous[0])[1]
-        name = served_name(f"{model}-lora", step + 1)
-        copy = self._adapter_copy(Path(adapter_dir), name)
+        served = served_name(name, step + 1)
+        copy = self._adapter_copy(Path(adapter_dir), served)
         try:
-            self.load_lora(name, copy)
+            self.load_lora(served, copy)
         except BaseException:
             shutil.rmtree(copy, ignore_errors=True)
             raise
-        self._adapter = (name, copy)
+        self._adapters[name] = (served, copy)
         if previous is not None:
             self.unload_lora(previous[0])
             shutil.rmtree(previous[1], ignore_errors=True)
-        return name
+        return served
 
     def _adapter_copy(self, adapter_dir: Path, name: str) -> Path:
         """The adapter's files (its config and weights: ``adapter_*``) copied where only this server reads them."""
@@ -318,19 +323,24 @@ class VllmServer:
                 shutil.copy2(path, copy / path.name)
         return copy
 
-    def remove_adapter(self) -> None:
-        """Unload the adapter :meth:`update_adapter` serves (and remove the server's copy); nothing if there is
-        none."""
-        if self._adapter is not None:
-            name, path = self._adapter
-            self.unload_lora(name)
+    def remove_adapter(self, name: str | None = None) -> None:
+        """Unload the adapter ``name`` (default ``<model>-lora``) that :meth:`update_adapter` serves, and remove the
+        server's copy; nothing if there is none."""
+        key = f"{parse_served_name(self.served_name)[0]}-lora" if name is None else name
+        if key in self._adapters:
+            served, path = self._adapters.pop(key)
+            self.unload_lora(served)
             shutil.rmtree(path, ignore_errors=True)
-            self._adapter = None
 
     @property
     def adapter_name(self) -> str | None:
-        """The LoRA adapter :meth:`update_adapter` serves now (``None``: none yet)."""
-        return None if self._adapter is None else self._adapter[0]
+        """The served name of the default adapter :meth:`update_adapter` serves now (``None``: none yet)."""
+        return self.adapters.get(f"{parse_served_name(self.served_name)[0]}-lora")
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Every adapter :meth:`update_adapter` serves now: its name -> its served name (``name@N``)."""
+        return {name: served for name, (served, _) in self._adapters.items()}
 
     def prefix_cache_hits(self) -> int | None:
         """The prompt tokens vLLM read from its prefix cache since it started (``vllm:prefix_cache_hits`` on

@@ -25,7 +25,7 @@ def _run(args: list[str]) -> list[str]:
 def _synced(lines: list[str]) -> None:
     """Both sync modes reached the server, which agrees with the trainer; the tokens carry the weights' step."""
     lora = next(line for line in lines if line.startswith("lora: served qwen3-lora@1"))
-    assert "policy_epoch [[0, 0]]" in lora and "['qwen3-lora@1', 'qwen3@0']" in lora
+    assert "policy_epoch [[0, 1]]" in lora and "['qwen3-lora@1', 'qwen3@0']" in lora
     merged = next(line for line in lines if line.startswith("merged: served qwen3@1"))
     assert "policy_epoch [[0, 1]]" in merged and "the server lists ['qwen3@1']" in merged
 
