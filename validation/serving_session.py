@@ -29,6 +29,7 @@ from model_support.core.serving.backend import Server, ServingBackend, get_backe
 from model_support.core.serving.export import base_tensors, buckets
 from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.runtime import load_runtime
+from model_support.core.serving.vllm_backend import CPU_MOE_LORA_GAP
 from model_support.core.validate import TargetCoverageError, adapter_targets, uncovered_targets
 from model_support.validation.context import CheckContext
 from model_support.validation.megatron_session import LORA, LORA_RANK, TRAINED_ADAPTER, TRAINING_MODEL, hf_reference
@@ -37,9 +38,6 @@ from model_support.validation.state import Resource, stop_value
 # The check's training dtypes as vLLM's --dtype names them.
 VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 GPU_FP32_LORA_GAP = "vLLM's GPU LoRA kernels take fp16 / bf16 weights only, and this check serves float32"
-# Named gaps of the CPU build (docs/serving.md), each measured. Routed experts' LoRA runs a Triton kernel the
-# build has no backend for and fails on the first request: an MoE model's shared server starts without LoRA.
-CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
 
 
 def backend() -> ServingBackend:

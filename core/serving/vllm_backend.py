@@ -82,6 +82,10 @@ def _raising_statement(lines: list[str]) -> str | None:
     return f"{path}:{frame['line']}: {code[-1]}"
 
 
+# Measured on the CPU build: routed experts' LoRA runs a Triton kernel, and the engine dies on its first request.
+CPU_MOE_LORA_GAP = "fused-MoE LoRA needs Triton, which has no CPU backend"
+
+
 class VllmServer:
     """A running ``vllm serve`` and a small client for the endpoints the stages use."""
 
@@ -601,6 +605,12 @@ class VllmBackend:
             raise ServingError(
                 f"sleep mode needs vLLM on a GPU; the runtime is the CPU build ({runtime.distribution} "
                 f"{runtime.vllm_version}): start the server without ServeOptions(enable_sleep_mode=True)"
+            )
+        if options.enable_lora and options.moe and runtime.flavor != "gpu":
+            raise ServingError(
+                f"LoRA on an MoE model needs vLLM on a GPU: {CPU_MOE_LORA_GAP} (the runtime is the CPU build, "
+                f"{runtime.distribution} {runtime.vllm_version}): start the server without "
+                "ServeOptions(enable_lora=True) and push merged weights"
             )
         features = VllmFeatures(runtime.vllm_version)
         args = server_command(runtime, features, model_dir, served_name, port, options)

@@ -72,6 +72,23 @@ def test_api_serve_starts_the_tiny_multimodal_moe_replica_from_a_relative_path(
     assert "'dtype': 'bfloat16'" in (tmp_path / "vllm.log").read_text()
 
 
+def test_lora_on_an_moe_model_is_refused_on_the_cpu_build_before_a_server_starts(runtime, tiny_model_dir, tmp_path):
+    """The CPU build's engine dies on the first request to an MoE model with LoRA on (a Triton kernel): refused in
+    one line naming what to do instead, with no server started and no log written."""
+    from model_support.core.serving.errors import ServingError
+
+    if runtime.flavor != "cpu":
+        pytest.skip("the CPU build's gap")
+    options = api.ServeOptions(dtype="float32", enable_lora=True)
+    with pytest.raises(
+        ServingError,
+        match=r"LoRA on an MoE model needs vLLM on a GPU: fused-MoE LoRA needs Triton.*"
+        r"start the server without ServeOptions\(enable_lora=True\) and push merged weights",
+    ):
+        api.serve(tiny_model_dir("qwen3-moe"), "moe@0", tmp_path / "vllm.log", options=options)
+    assert not (tmp_path / "vllm.log").exists()
+
+
 @pytest.mark.parametrize("arg", ["--served-model-name", "--port=9", "--host", "--middleware", "--api-key"])
 def test_extra_args_may_not_take_what_the_servers_handle_depends_on(arg: str) -> None:
     with pytest.raises(ValueError, match=rf"extra_args '{re.escape(arg)}': {arg.split('=')[0]} is set by the project"):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from model_support.core.serving.errors import ServingError
+from model_support.core.serving.vllm_backend import CPU_MOE_LORA_GAP
 from model_support.validation.context import CheckContext
 from model_support.validation.megatron_session import HF_REFERENCES
 from model_support.validation.serving_session import POLICY, POLICY_SERVER, SERVER, VLLM_DTYPES
@@ -47,10 +48,7 @@ _CPU_BUILD_GAPS = (
         "its GDN kernel rejects this head size",
         re.compile(r"expect head_dim to be multiples of|Unexpected head dim size"),
     ),
-    (
-        "fused-MoE LoRA needs Triton, which has no CPU backend",
-        re.compile(r"module 'triton\.language' has no attribute"),
-    ),
+    (CPU_MOE_LORA_GAP, re.compile(re.escape(CPU_MOE_LORA_GAP))),  # refused by the server's start
 )
 
 
