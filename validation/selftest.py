@@ -608,13 +608,12 @@ def _prefix_cache_kept() -> AbstractContextManager[Any]:
 
 
 def _adapter_alias_reused() -> AbstractContextManager[Any]:
-    from model_support.core.serving.update import parse_served_name
     from model_support.core.serving.vllm_backend import VllmServer
 
     update_adapter = VllmServer.update_adapter
 
     def reused(self: VllmServer, adapter_dir: Path, name: str | None = None) -> str:
-        key = f"{parse_served_name(self.served_name)[0]}-lora" if name is None else name
+        key = self.adapter_key(name)
         if key not in self._adapters:  # the first swap loads as the real one does
             return update_adapter(self, adapter_dir, name)
         served, copy = self._adapters[key]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,16 @@ def _arguments(params: dict[str, Any], known: frozenset[str]) -> dict[str, Any]:
 
 def _by_index(choices: list[Any]) -> list[dict[str, Any]]:
     return sorted((c.to_dict() for c in choices), key=lambda c: c["index"])
+
+
+def in_own_loop[T](make: Callable[[], Coroutine[Any, Any, T]], name: str) -> T:
+    """The coroutine ``make()`` run to its end in an event loop of its own, for the sync twin ``name`` of an async
+    call ``a<name>``; a caller inside a running loop is told to await that one instead (nothing is started)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs in this thread: the usual case
+        return asyncio.run(make())
+    raise RuntimeError(f"{name} called inside a running event loop: await a{name} instead")
 
 
 class ServerClient:
@@ -106,11 +116,7 @@ class ServerClient:
     def choices_many(self, prompts: list[list[int]], *, model: str, **params: Any) -> list[list[dict[str, Any]]]:
         """:meth:`choices` of every prompt, the requests sent concurrently; the results in prompt order. Runs an
         event loop of its own: from a coroutine, await :meth:`achoices_many` instead."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop runs in this thread: the usual case
-            return asyncio.run(self.achoices_many(prompts, model=model, **params))
-        raise RuntimeError("choices_many called inside a running event loop: await achoices_many instead")
+        return in_own_loop(lambda: self.achoices_many(prompts, model=model, **params), "choices_many")
 
     async def achoices_many(self, prompts: list[list[int]], *, model: str, **params: Any) -> list[list[dict[str, Any]]]:
         """:meth:`choices_many` in the caller's event loop, at most ``concurrency`` requests in flight."""

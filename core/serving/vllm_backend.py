@@ -8,7 +8,6 @@ here), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (share the cores). Development endpo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -297,7 +296,7 @@ class VllmServer:
         files (``adapter_*``, in the server's temporary directory, removed when that adapter is unloaded):
         ``adapter_dir`` is left as it was, and may be reused for the next step."""
         model, _ = parse_served_name(self.served_name)
-        name = f"{model}-lora" if name is None else name
+        name = self.adapter_key(name)
         if not name or "@" in name or name == model:
             raise ServerError(f"adapter name {name!r}: give a name without '@', other than the base model's {model!r}")
         previous = self._adapters.get(name)
@@ -330,7 +329,7 @@ class VllmServer:
     def remove_adapter(self, name: str | None = None) -> None:
         """Unload the adapter ``name`` (default ``<model>-lora``) that :meth:`update_adapter` serves, and remove the
         server's copy; nothing if there is none."""
-        key = f"{parse_served_name(self.served_name)[0]}-lora" if name is None else name
+        key = self.adapter_key(name)
         if key in self._adapters:
             served, path = self._adapters.pop(key)
             self.unload_lora(served)
@@ -339,7 +338,11 @@ class VllmServer:
     @property
     def adapter_name(self) -> str | None:
         """The served name of the default adapter :meth:`update_adapter` serves now (``None``: none yet)."""
-        return self.adapters.get(f"{parse_served_name(self.served_name)[0]}-lora")
+        return self.adapters.get(self.adapter_key(None))
+
+    def adapter_key(self, name: str | None) -> str:
+        """The adapter ``name`` names: itself, or for ``None`` the default ``<model>-lora``."""
+        return f"{parse_served_name(self.served_name)[0]}-lora" if name is None else name
 
     @property
     def adapters(self) -> dict[str, str]:
@@ -433,11 +436,9 @@ class VllmServer:
         """:meth:`generate` of every prompt, the requests sent together (at most the client's ``concurrency`` in
         flight: vLLM batches them as one rollout); each prompt's choices, with their staleness fields, in prompt
         order. Runs an event loop of its own: from a coroutine, await :meth:`agenerate_many`."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop runs in this thread: the usual case
-            return asyncio.run(self.agenerate_many(prompts, model=model, **sampling))
-        raise RuntimeError("generate_many called inside a running event loop: await agenerate_many instead")
+        from model_support.core.serving.client import in_own_loop
+
+        return in_own_loop(lambda: self.agenerate_many(prompts, model=model, **sampling), "generate_many")
 
     async def agenerate_many(
         self, prompts: list[list[int]], *, model: str | None = None, **sampling: Any
