@@ -89,13 +89,14 @@ class ServeOptions:
             args.append("--language-model-only")
         if self.enable_sleep_mode:
             args.append("--enable-sleep-mode")
-        if self.weight_transfer in ("stream", "collective"):
+        if self.weight_transfer not in ("stream", "collective", "files"):
+            raise ValueError(f"weight_transfer must be 'stream', 'collective' or 'files', not {self.weight_transfer!r}")
+        if self.weight_transfer != "files":
             # The engine (both transports) is registered by the worker extension's module, imported in the worker
             # before it is built.
             args += ["--weight-transfer-config", json.dumps({"backend": "model_support_local"})]
-            args += ["--worker-extension-cls", "ms_weights.WorkerExtension"]
-        elif self.weight_transfer != "files":
-            raise ValueError(f"weight_transfer must be 'stream', 'collective' or 'files', not {self.weight_transfer!r}")
+        # Every transport's reload runs through the extension (ms_weights._reload_in_place).
+        args += ["--worker-extension-cls", "ms_weights.WorkerExtension"]
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0]
             if flag in _OWNED_FLAGS:

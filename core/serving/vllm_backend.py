@@ -267,9 +267,10 @@ class VllmServer:
         self.request("/v1/unload_lora_adapter", {"lora_name": name})
 
     def reload_weights(self, weights_dir: Path) -> None:
-        """Load a complete checkpoint into the live model in place (vLLM's worker ``reload_weights``). The prefix
-        cache still holds what the old weights computed: :meth:`update_weights` resets it (running requests too)."""
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(weights_dir).absolute())}}
+        """Load a complete checkpoint into the live model in place (the worker extension's reload, the steps of vLLM's
+        own ``reload_weights``). The prefix cache still holds what the old weights computed: :meth:`update_weights`
+        resets it (running requests too)."""
+        body = {"method": "model_support_reload_weights", "kwargs": {"weights_dir": str(Path(weights_dir).absolute())}}
         self.request("/collective_rpc", body)
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> str:

@@ -252,7 +252,7 @@ def test_choices_many_inside_an_event_loop_points_to_the_async_variant():
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
-        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
+        ("POST", "/collective_rpc", {"method": "model_support_reload_weights", "kwargs": {"weights_dir": "/tmp"}}),
         ("POST", "/model_support/served_model_name", {"name": "stolen@9"}),
         ("POST", "/pause?mode=abort", None),
         ("GET", "/v1/models", None),

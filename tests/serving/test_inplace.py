@@ -179,6 +179,23 @@ def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir)
     assert (_served(server) - before).abs().max().item() < 1e-6
 
 
+def test_a_reload_that_leaves_a_layer_on_its_old_weights_is_an_error(qwen3_server, tiny_model_dir, tmp_path):
+    """vLLM's in-place reload only logs a layer that took none of the reloaded tensors and serves its old weights
+    beside the new ones; the project's reload (every transport's) names it. Reloading the whole checkpoint after
+    serves the checkpoint again."""
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    lost = "model.layers.1.mlp.down_proj.weight"
+    partial = write_checkpoint(
+        buckets(((k, v) for k, v in base_tensors(base) if k != lost), 1 << 30), tmp_path / "partial", support_from=base
+    )
+    with pytest.raises(
+        ServerError, match=r"left 1 layer\(s\) on their old weights .*'model\.layers\.1\.mlp\.down_proj[.']"
+    ):
+        server.reload_weights(partial)
+    server.reload_weights(write_checkpoint(buckets(base_tensors(base), 1 << 30), tmp_path / "whole", support_from=base))
+    assert (_served(server) - _reference(base)).abs().max().item() < FP32_TOL
+
+
 def _running(server: Server) -> float:
     """vLLM's gauge of the requests being generated now (its Prometheus /metrics)."""
     import urllib.request

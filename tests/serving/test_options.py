@@ -34,8 +34,8 @@ def test_options_become_vllm_arguments() -> None:
     assert options.vllm_args() == [
         "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64", "--tensor-parallel-size", "2",
         "--gpu-memory-utilization", "0.5", "--enable-lora", "--max-lora-rank", "32", "--max-loras", "4",
-        "--enable-mixed-moe-lora-format", "--language-model-only", "--enable-sleep-mode", "--max-num-batched-tokens",
-        "8192",
+        "--enable-mixed-moe-lora-format", "--language-model-only", "--enable-sleep-mode", "--worker-extension-cls",
+        "ms_weights.WorkerExtension", "--max-num-batched-tokens", "8192",
     ]  # fmt: skip
     defaults = ServeOptions().vllm_args()
     assert "--enforce-eager" in defaults

@@ -19,9 +19,10 @@ One step is, in order:
    ...], "nbytes": N, "is_last": bool}`` (the worker receives the bucket's N bytes, its tensors packed in that
    order, from the trainer's broadcast, then reads them out); the worker keeps each tensor after checking it
    against the announcement (a broadcast bucket on the worker's device: the whole step, until the last bucket);
-3. on ``is_last`` (every announced tensor received, nothing else) the whole step is loaded with vLLM's in-place
-   reload (``reload_weights`` over the received tensors, as the file-system transport loads a checkpoint); before
-   that nothing of the step reaches the model, so a failed step changes nothing;
+3. on ``is_last`` (every announced tensor received, nothing else) the whole step is loaded in place by the steps
+   of vLLM's own ``reload_weights`` (:func:`_reload_in_place`, which the file-system transport's
+   ``model_support_reload_weights`` runs too); before that nothing of the step reaches the model, so a failed step
+   changes nothing;
 4. ``{"abort": true}`` drops a step that will not be completed.
 """
 
@@ -30,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,7 +189,7 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
         if missing:
             raise ValueError(f"the last bucket came with {len(missing)} announced tensor(s) missing: {missing[:3]}")
         received, self._step = step.received, None
-        _reload_in_place(self.vllm_config, self.model, received)
+        _reload_in_place(self.vllm_config, self.model, received.items())
         self.applied += 1
 
     @staticmethod
@@ -200,27 +203,98 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
         self._group = None
 
 
-def _reload_in_place(vllm_config: Any, model: Any, weights: dict[str, torch.Tensor]) -> None:
-    """Checkpoint-format weights loaded into the served model in place, by what the running vLLM offers: its
-    ``reload_weights`` (``model_loader.reload.inplace``: 0.32 has it), else the layerwise steps that vLLM 0.26's
-    model runner takes in its own ``reload_weights`` (0.26 has no such module)."""
-    try:
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-    except ImportError:
-        from vllm.lora.layers import BaseLayerWithLoRA
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+def _reload_in_place(vllm_config: Any, model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Checkpoint-format weights loaded into the served model in place, by the steps vLLM's own in-place reload
+    takes (0.26's model runner and 0.32's ``model_loader.reload.inplace`` alike: ``initialize_layerwise_reload``,
+    the model's ``load_weights``, ``finalize_layerwise_reload``), with what a server with LoRA on or fused-MoE
+    layers needs around them. vLLM only logs a layer that took none of the weights and keeps its old ones; here that
+    is an error naming the layers (the server then serves a mix of old and new weights: restart it)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        for module in model.modules():
-            if isinstance(module, BaseLayerWithLoRA) and not hasattr(module, "load_weights"):
-                # vLLM 0.32's BaseLayerWithLoRA.load_weights, which 0.26 lacks: a LoRA-wrapped layer (a server
-                # with LoRA on) loads checkpoint weights into the layer it wraps.
-                module.load_weights = functools.partial(_load_into_wrapped, module)
+    with _lora_wrappers_load(model), _experts_named_as_checkpoint(model), _moe_first_load(model):
         initialize_layerwise_reload(model)
-        model.load_weights(iter(weights.items()))
+        model.load_weights(iter(weights))
+        unloaded = _layers_left_unloaded(model, get_layerwise_info)
         finalize_layerwise_reload(model, vllm_config.model_config)
-        return
-    with _moe_first_load(model):
-        reload_weights(vllm_config, model, iter(weights.items()), None, True)
+    if unloaded:
+        raise ValueError(
+            f"the in-place reload left {len(unloaded)} layer(s) on their old weights (none of the step's tensors "
+            f"reached them): {unloaded[:3]}; the server now serves a mix of old and new weights, restart it"
+        )
+
+
+def _layers_left_unloaded(model: Any, info_of: Any) -> list[str]:
+    """The layers with parameters that took none of the reloaded tensors, between ``load_weights`` and
+    ``finalize_layerwise_reload``. Not counted: a layer with buffers only (a rotary cache, an attention layer's
+    scales: they take none by design) and a layer whose parameters are another loaded layer's (a tied ``lm_head``)."""
+    waiting: dict[str, list[Any]] = {}
+    loaded: set[int] = set()
+    for name, layer in model.named_modules():
+        info = info_of(layer)
+        if not info.can_load():  # processed, its parameters the live ones again
+            loaded.update(id(p) for p in layer._parameters.values() if p is not None)
+        elif info.load_numel == 0 and info.kernel_tensors is not None and info.kernel_tensors[0]:
+            waiting[name] = list(info.kernel_tensors[0].values())
+    return [name for name, parameters in waiting.items() if not all(id(p) in loaded for p in parameters)]
+
+
+@contextlib.contextmanager
+def _lora_wrappers_load(model: Any) -> Any:
+    """Within the block, each LoRA-wrapped layer (a server with LoRA on) loads checkpoint weights into the layer it
+    wraps: vLLM 0.32's ``BaseLayerWithLoRA.load_weights``, which 0.26 lacks (without it the model's loader walks
+    past the wrapper and its layer keeps its old weights)."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    added = [
+        module
+        for module in model.modules()
+        if isinstance(module, BaseLayerWithLoRA) and not hasattr(type(module), "load_weights")
+    ]
+    for module in added:
+        module.load_weights = functools.partial(_load_into_wrapped, module)
+    try:
+        yield
+    finally:
+        for module in added:
+            del module.load_weights
+
+
+@contextlib.contextmanager
+def _experts_named_as_checkpoint(model: Any) -> Any:
+    """Within the block, fused-MoE experts under a LoRA wrapper take the checkpoint's expert names.
+
+    vLLM's LoRA wrapper of a fused-MoE layer sets ``lora_base_layer_prefix = "base_layer."`` on its routed experts,
+    whose own ``load_weights`` (0.26 and 0.32) then matches only checkpoint names with ``.base_layer.`` in them
+    (``experts.0.gate_proj.base_layer.``) and skips ``experts.0.gate_proj.weight``: every expert kept its old
+    weights after a push (0.344 off on a tiny Qwen3-MoE on the H100). The first load ran before the wrapper existed,
+    with no prefix; so does the reload here."""
+    wrapped = [
+        module
+        for module in model.modules()
+        if getattr(module, "lora_base_layer_prefix", "") and hasattr(module, "get_expert_mapping")
+    ]
+    prefixes = [module.lora_base_layer_prefix for module in wrapped]
+    for module in wrapped:
+        module.lora_base_layer_prefix = ""
+    try:
+        yield
+    finally:
+        for module, prefix in zip(wrapped, prefixes, strict=True):
+            module.lora_base_layer_prefix = prefix
+
+
+def _checkpoint_tensors(weights_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors checkpoint directory, one file at a time, in the files' name order."""
+    from safetensors import safe_open
+
+    files = sorted(Path(weights_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{weights_dir} has no *.safetensors file to reload")
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, handle.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -252,7 +326,7 @@ def _moe_first_load(model: Any) -> Any:
             method.moe_kernel, method.moe_quant_config = kernel, quant_config
 
 
-def _load_into_wrapped(wrapper: Any, weights: Any) -> Any:
+def _load_into_wrapped(wrapper: Any, weights: Any) -> Any:  # vLLM 0.32's BaseLayerWithLoRA.load_weights
     from vllm.model_executor.models.utils import AutoWeightsLoader
 
     own = getattr(wrapper.base_layer, "load_weights", None)
@@ -279,3 +353,9 @@ class WorkerExtension:
         """How many steps the local engine has applied (for tests and logs)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.applied if isinstance(engine, LocalWeightTransferEngine) else 0
+
+    def model_support_reload_weights(self, weights_dir: str) -> None:
+        """Load a complete checkpoint directory into the served model in place (the ``files`` transport), as the
+        engine loads a streamed step: vLLM's own worker ``reload_weights`` lacks what a server with LoRA on or
+        fused-MoE layers needs (see :func:`_reload_in_place`)."""
+        _reload_in_place(self.vllm_config, self.model_runner.get_model(), _checkpoint_tensors(weights_dir))
