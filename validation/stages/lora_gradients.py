@@ -11,14 +11,20 @@ import torch
 # LOWP_TOLERANCE_FACTOR is re-exported so the stage reference (docs/stages.md) lists it for this stage.
 from model_support.core.megatron.compare import LOWP_FLOOR, LOWP_TOLERANCE_FACTOR
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import LORA, TRAINING_MODEL
+from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_GRAD_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
 if TYPE_CHECKING:
     from model_support.core.megatron.hf_reference import LoraDelta
 
-__all__ = ["GRADIENT_FP32_TOLERANCES", "LOWP_TOLERANCE_FACTOR", "LoraGradientsStage", "megatron_gradients"]
+__all__ = [
+    "GRADIENT_FP32_TOLERANCES",
+    "LOWP_TOLERANCE_FACTOR",
+    "LoraGradientsStage",
+    "megatron_gradients",
+    "reference_gradient_lowp",
+]
 
 # fp32 tolerances of each case (metric names take the case's prefix, ``long_`` or ``packed_``): max |ours - reference| /
 # max |reference| of the per-token losses, and of the worst LoRA factor's gradient.
@@ -103,6 +109,52 @@ def megatron_gradients(
         grads = {key: shared_a if key in a_keys else peft[key] for key in covered}
         out |= codec.from_peft(grads, ctx.config, ctx.layout)
     return out
+
+
+def reference_gradient_lowp(ctx: Any) -> dict[str, float] | None:
+    """transformers' own distance below fp32 on LoRA gradients (:func:`closeness` of every factor's gradient as one
+    vector, in Megatron's layout; the worst of the stage's two cases), on this stage's adapter and rows with the fp32
+    run's routing; ``None`` for an fp32 model. The stage measures it as it compares; this is the same measurement
+    where the stage has not run. The model's adapter is put back as it was."""
+    from model_support.core import api
+    from model_support.core.megatron.compare import closeness
+    from model_support.core.megatron.hf_reference import adapter_deltas
+    from model_support.core.megatron.lora import load_lora_state, lora_state
+    from model_support.validation.megatron_session import with_random_lora, worst_lowp
+
+    model = ctx.state.get(TRAINING_MODEL).built
+    dtype = model.numerics.dtype
+    if dtype == torch.float32:
+        return None
+    before = lora_state(model.model)
+    try:
+        state = lora_state(with_random_lora(ctx, offset=ADAPTER_SEED).model)
+        adapter_dir = api.export_adapter(ctx.state.get(TRAINING_MODEL), ctx.workdir / "gradient-lowp-adapter")
+        deltas = adapter_deltas(adapter_dir)
+    finally:
+        load_lora_state(model.model, before)
+    cases = gradient_cases(ctx)
+    exact, routings = reference_runs(ctx, torch.float32, deltas, cases)
+    rounded, _ = reference_runs(ctx, dtype, deltas, cases, replay=routings)
+    found = []
+    for case in cases:
+        ref, low = (megatron_gradients(ctx, state, run[case][1]) for run in (exact, rounded))
+        names = sorted(ref)
+        flat = [torch.cat([run[n].flatten() for n in names]) for run in (low, ref)]
+        found.append(closeness(*flat))
+    return worst_lowp(found)
+
+
+def gradient_cases(ctx: Any) -> dict[str, list[torch.Tensor]]:
+    """The stage's rows: ``long``, one row across every length-dependent structure of the model; ``packed``, three
+    sequences of the same total length (:func:`packed_lengths`)."""
+    from model_support.validation.megatron_session import long_row, random_tokens
+
+    length = long_row(ctx)
+    return {
+        "long": [random_tokens(ctx, (1, length), offset=LONG_ROW_SEED)],
+        "packed": [random_tokens(ctx, (1, n), offset=PACKED_SEED + i) for i, n in enumerate(packed_lengths(length))],
+    }
 
 
 def reference_runs(
@@ -222,6 +274,7 @@ class LoraGradientsStage(Stage):
     requires = ("lora_coverage",)
     packages = MEGATRON_PACKAGES
     needs = (TRAINING_MODEL, LORA)
+    provides = (REFERENCE_LOWP_GRAD_ERROR,)
 
     def skip_reason(self, ctx: CheckContext) -> str | None:
         if ctx.spec.codec is None:
@@ -233,7 +286,7 @@ class LoraGradientsStage(Stage):
         from model_support.core.megatron.compare import closeness, replayed_routing, tolerances
         from model_support.core.megatron.hf_reference import adapter_deltas
         from model_support.core.megatron.lora import lora_state
-        from model_support.validation.megatron_session import crossing, long_row, random_tokens, with_random_lora
+        from model_support.validation.megatron_session import crossing, with_random_lora, worst_lowp
         from model_support.validation.stages.lora_coverage import logits_without_lora
 
         built = with_random_lora(ctx, offset=ADAPTER_SEED)
@@ -241,13 +294,9 @@ class LoraGradientsStage(Stage):
         state = lora_state(model)
         adapter_dir = api.export_adapter(ctx.state.get(TRAINING_MODEL), ctx.workdir / "lora-gradients-adapter")
         deltas = adapter_deltas(adapter_dir)
-        long_rows = random_tokens(ctx, (1, long_row(ctx)), offset=LONG_ROW_SEED)
-        length = long_rows.shape[1]
-        lengths = packed_lengths(length)
-        cases = {
-            "long": [long_rows],
-            "packed": [random_tokens(ctx, (1, n), offset=PACKED_SEED + i) for i, n in enumerate(lengths)],
-        }
+        cases = gradient_cases(ctx)
+        length = cases["long"][0].shape[1]
+        lengths = [row.shape[1] for row in cases["packed"]]
 
         def in_megatron_layout(run: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> GradientRun:
             losses, peft = run
@@ -268,6 +317,7 @@ class LoraGradientsStage(Stage):
             "packed_sequences": len(lengths),
         }
         thresholds: dict[str, float] = {}
+        lowp_grads: list[dict[str, float]] = []
         details = [f"adapter written to {adapter_dir}, merged into the transformers model's checkpoint tensors"]
         found, limits, missed = crossing(ctx, length)
         metrics |= found
@@ -298,6 +348,7 @@ class LoraGradientsStage(Stage):
             if case in lows:
                 lowp_loss = closeness(lows[case].losses, ref.losses)
                 lowp_grad = closeness(flat(lows[case]), flat(ref))
+                lowp_grads.append(lowp_grad)
                 thresholds |= tolerances(dtype, prefix=f"{case}_loss_", reference_lowp=lowp_loss)
                 thresholds |= tolerances(dtype, prefix=f"{case}_grad_", reference_lowp=lowp_grad)
                 metrics |= {f"{case}_reference_{metrics['dtype']}_loss_rel_l2": lowp_loss["rel_l2"]}
@@ -309,6 +360,7 @@ class LoraGradientsStage(Stage):
                 f"worst {worst} ({error:.2e})"
             )
 
+        ctx.state.set(REFERENCE_LOWP_GRAD_ERROR, worst_lowp(lowp_grads) if lowp_grads else None)
         # Control: the long row's per-token losses without the adapter (every LoRA scaled to zero), same routing.
         tokens = cases["long"][0]
         with torch.no_grad(), replayed_routing(model, routings["long"][0], batch=1):

@@ -9,7 +9,12 @@ import torch
 # Re-exported so the stage reference (docs/stages.md) lists the tolerances this stage applies.
 from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR, SAME_MODEL_FP32_TOLERANCES
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_ERROR, TRAINING_MODEL
+from model_support.validation.megatron_session import (
+    LORA,
+    REFERENCE_LOWP_ERROR,
+    REFERENCE_LOWP_GRAD_ERROR,
+    TRAINING_MODEL,
+)
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -17,24 +22,25 @@ __all__ = ["LOWP_TOLERANCE_FACTOR", "SAME_MODEL_FP32_TOLERANCES", "PackedPositio
 
 
 class PackedPositionIdsStage(Stage):
-    """Several sequences packed in one row (one of them a long row across every length-dependent structure of
-    the model, as in ``hf_parity``), position ids restarting at 0, run through the Megatron model
-    (with LoRA, so gradients flow): per-token logits must equal those of each sequence run alone, and the
-    LoRA gradients of the packed loss must equal the sum of the per-sequence gradients. Both full attention
-    (block-diagonal mask) and Gated DeltaNet layers (``cu_seqlens``: recurrent state and convolution restart
-    at each boundary) derive the boundaries from the position ids. In fp32 the tolerances are fixed; below
-    fp32 they are a multiple of transformers' own rounding distance from fp32 on this model (measured by
-    ``hf_parity``). MoE routers replay, in the packed row, the routing the sequences took alone (so a near
-    tie cannot flip between the two runs). As a control, the same row run as one sequence must differ by
-    at least the dtype's effect floor (``leak_control_rel_l2``), showing the comparison can see state
-    crossing a boundary."""
+    """Several sequences packed in one row (one of them a long row across every length-dependent structure of the
+    model, as in ``hf_parity``), position ids restarting at 0, run through the Megatron model (with LoRA, so
+    gradients flow): per-token logits must equal those of each sequence run alone, and the LoRA gradients of the
+    packed loss must equal the sum of the per-sequence gradients. Both full attention (block-diagonal mask) and
+    Gated DeltaNet layers (``cu_seqlens``: recurrent state and convolution restart at each boundary) derive the
+    boundaries from the position ids. In fp32 the tolerances are fixed; below fp32 they are a multiple of
+    transformers' own rounding distance from fp32 on this model: the logits' (measured by ``hf_parity``) for the
+    logits, the LoRA gradients' (measured by ``lora_gradients``) for the gradients. MoE routers replay, in the
+    packed row, the routing the sequences took alone (so a near tie cannot flip between the two runs). As a control,
+    the same row run as one sequence must differ by at least the dtype's effect floor (``leak_control_rel_l2``),
+    showing the comparison can see state crossing a boundary.
+    """
 
     name = "packed_position_ids"
     title = "Packed rows (position ids restarting at 0) give the same logits and gradients as separate runs."
     order = 50
     sharded = True
     requires = ("hf_parity",)
-    needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR)
+    needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR, REFERENCE_LOWP_GRAD_ERROR)
     packages = MEGATRON_PACKAGES
     # Sequences around a long one (``long_row``: across every GDN chunk boundary, window and rope threshold the model
     # has), so boundaries fall inside GDN chunks and the long sequence's state crosses chunks.
@@ -84,7 +90,9 @@ class PackedPositionIdsStage(Stage):
             **gradient_closeness(packed.grads, alone.grads),
             "leak_control_rel_l2": worst_closeness(unpacked, separate, bounds)["rel_l2"],
         }
-        thresholds = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
+        thresholds = same_model_tolerances(
+            dtype, ctx.state.get(REFERENCE_LOWP_ERROR), ctx.state.get(REFERENCE_LOWP_GRAD_ERROR)
+        )
         found, limits, missed = crossing(ctx, max(s.shape[1] for s in seqs), prefix="long_sequence_")
         metrics |= found
         thresholds |= limits

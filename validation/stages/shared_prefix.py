@@ -8,7 +8,12 @@ from typing import Any
 import torch
 
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_ERROR, TRAINING_MODEL
+from model_support.validation.megatron_session import (
+    LORA,
+    REFERENCE_LOWP_ERROR,
+    REFERENCE_LOWP_GRAD_ERROR,
+    TRAINING_MODEL,
+)
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 
@@ -36,7 +41,7 @@ class SharedPrefixStage(Stage):
     order = 52
     sharded = True
     requires = ("hf_parity",)
-    needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR)
+    needs = (TRAINING_MODEL, LORA, REFERENCE_LOWP_ERROR, REFERENCE_LOWP_GRAD_ERROR)
     packages = MEGATRON_PACKAGES
     # The prompt is a long row (``long_row``: across every GDN chunk boundary, window and rope threshold it has);
     # one completion spans a GDN chunk boundary of its own.
@@ -64,7 +69,9 @@ class SharedPrefixStage(Stage):
             **{f"short_prompt_{k}": v for k, v in short.items()},
             **self._through_api(ctx, prompt, completions, routing),
         }
-        compared = same_model_tolerances(dtype, ctx.state.get(REFERENCE_LOWP_ERROR))
+        compared = same_model_tolerances(
+            dtype, ctx.state.get(REFERENCE_LOWP_ERROR), ctx.state.get(REFERENCE_LOWP_GRAD_ERROR)
+        )
         # The loss is a sum of per-token functions of the logits: held to the logits' relative limit.
         compared["loss_rel_err"] = compared.get("logits_rel_l2", compared.get("logits_rel_err", 1e-4))
         thresholds = compared | {f"short_prompt_{k}": v for k, v in compared.items()}
