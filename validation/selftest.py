@@ -11,6 +11,7 @@ being able to fail breaks CI.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -304,6 +305,32 @@ def _weight_version_kept() -> AbstractContextManager[Any]:
         swap(self, apply, lambda version: finish(None))
 
     return mock.patch.object(WeightUpdater, "_swap", kept)
+
+
+def _staleness_boundary_late() -> AbstractContextManager[Any]:
+    """Per-token weight versions read one token late: the first token the new weights sampled is reported as the
+    old weights'."""
+    from model_support.core.serving import vllm_backend
+
+    staleness = vllm_backend.staleness
+
+    def late(choice: dict[str, Any]) -> dict[str, Any]:
+        spans = [dict(span) for span in choice.get("weight_versions") or []]
+        for earlier, later in itertools.pairwise(spans):
+            earlier["end"], later["start"] = earlier["end"] + 1, later["start"] + 1
+        return staleness({**choice, "weight_versions": spans})
+
+    return mock.patch.object(vllm_backend, "staleness", late)
+
+
+def _adapter_staleness_next_step() -> AbstractContextManager[Any]:
+    """A LoRA request's staleness fields name the step after its adapter's (the one hot-swapped in next)."""
+    from model_support.core.serving import vllm_backend
+
+    adapter_staleness = vllm_backend.adapter_staleness
+    return mock.patch.object(
+        vllm_backend, "adapter_staleness", lambda choice, step: adapter_staleness(choice, step + 1)
+    )
 
 
 def _push_keeps_last_bucket() -> AbstractContextManager[Any]:
@@ -770,6 +797,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              "merged_serving", _export_drops_a_tensor, needs_server=True),
     Mutation("push-keeps-last-bucket", "a push sends only its last bucket of merged weights", "qwen3",
              "merged_serving", _push_keeps_last_bucket, needs_server=True),
+    Mutation("staleness-boundary-late", "per-token weight versions read one token late (merged mode)", "qwen3",
+             "staleness_boundary", _staleness_boundary_late, needs_server=True),
+    Mutation("adapter-staleness-next-step", "a LoRA request's staleness fields name the next adapter's step", "qwen3",
+             "staleness_boundary", _adapter_staleness_next_step, needs_server=True),
     Mutation("lora-tp-all-reduce-missing", "row-parallel LoRA skips its tensor-parallel all-reduce", "qwen3",
              "parallel_parity", _lora_row_reduce_missing, layouts=("tp2",)),
     Mutation("sp-lora-grads-unsynced", "sequence-parallel LoRA factors keep one sequence shard's gradient", "qwen3",

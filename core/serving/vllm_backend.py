@@ -107,6 +107,7 @@ class VllmServer:
         self.base_url = f"http://127.0.0.1:{port}"
         self._updater: WeightUpdater | None = None
         self._adapters: dict[str, tuple[str, Path]] = {}  # adapter name -> (its served name @N, the server's copy)
+        self._retired: dict[str, Path] = {}  # unloaded adapters' served names -> copies a request may still read
         self._client: ServerClient | None = None  # the /v1 client, made on first use (see `client`)
         self._ready = False
         self._background: threading.Thread | None = None
@@ -294,8 +295,8 @@ class VllmServer:
         ``<name>@N+1`` (the base and every other adapter keep their names and weights), then unload ``<name>@N``;
         returns the new served name. Several adapters are served side by side (one per run or task); vLLM batches
         requests of up to ``ServeOptions.max_loras`` of them at once. The server loads its own copy of the adapter's
-        files (``adapter_*``, in the server's temporary directory, removed when that adapter is unloaded):
-        ``adapter_dir`` is left as it was, and may be reused for the next step."""
+        files (``adapter_*``, in the server's temporary directory, removed once that adapter is unloaded and no
+        request in flight uses it): ``adapter_dir`` is left as it was, and may be reused for the next step."""
         model, _ = parse_served_name(self.served_name)
         name = self.adapter_key(name)
         if not name or "@" in name or name == model:
@@ -311,9 +312,25 @@ class VllmServer:
             raise
         self._adapters[name] = (served, copy)
         if previous is not None:
-            self.unload_lora(previous[0])
-            shutil.rmtree(previous[1], ignore_errors=True)
+            self._retire(*previous)
         return served
+
+    def _retire(self, served: str, copy: Path) -> None:
+        """Unload an adapter, and remove the server's copy of every unloaded adapter no request is using any more.
+
+        A request admitted on an adapter keeps it after the unload: vLLM loads it again from its path if its worker
+        let it go (a hot-swap while the request waits, e.g. paused), and an engine that finds no files there dies
+        (``LoRAAdapterNotFoundError``). So a copy stays while vLLM lists its adapter among the running or waiting
+        requests' (``vllm:lora_requests_info``) or, without that list, while any request is in flight."""
+        self.unload_lora(served)
+        self._retired[served] = copy
+        metrics = str(self.request("/metrics"))
+        in_use = _lora_in_use(metrics)
+        busy = any(_metric(metrics, f"vllm:num_requests_{state}") for state in ("running", "waiting"))
+        for name, path in list(self._retired.items()):
+            if not busy or (in_use is not None and name not in in_use):
+                shutil.rmtree(path, ignore_errors=True)
+                del self._retired[name]
 
     def _adapter_copy(self, adapter_dir: Path, name: str) -> Path:
         """The adapter's files (its config and weights: ``adapter_*``) copied where only this server reads them."""
@@ -329,12 +346,10 @@ class VllmServer:
 
     def remove_adapter(self, name: str | None = None) -> None:
         """Unload the adapter ``name`` (default ``<model>-lora``) that :meth:`update_adapter` serves, and remove the
-        server's copy; nothing if there is none."""
+        server's copy once no request uses it (see :meth:`_retire`); nothing if there is none."""
         key = self.adapter_key(name)
         if key in self._adapters:
-            served, path = self._adapters.pop(key)
-            self.unload_lora(served)
-            shutil.rmtree(path, ignore_errors=True)
+            self._retire(*self._adapters.pop(key))
 
     @property
     def adapter_name(self) -> str | None:
@@ -353,14 +368,16 @@ class VllmServer:
     def prefix_cache_hits(self) -> int | None:
         """The prompt tokens vLLM read from its prefix cache since it started (``vllm:prefix_cache_hits`` on
         ``/metrics``, summed over engines); None where the server reports no such counter."""
-        text = self.request("/metrics")
-        # Prometheus' text format, one "name{labels} value" line per engine: one counter needs no parser.
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in str(text).splitlines()
-            if line.startswith(("vllm:prefix_cache_hits_total{", "vllm:prefix_cache_hits_total "))
-        ]
-        return int(sum(values)) if values else None
+        return self._counter("vllm:prefix_cache_hits_total")
+
+    def generated_tokens(self) -> int | None:
+        """The tokens vLLM sampled since it started, every request together (``vllm:generation_tokens`` on
+        ``/metrics``, summed over engines and served names); None where the server reports no such counter."""
+        return self._counter("vllm:generation_tokens_total")
+
+    def _counter(self, name: str) -> int | None:
+        value = _metric(str(self.request("/metrics")), name)
+        return None if value is None else int(value)
 
     def rename(self, name: str) -> None:
         """Serve the base model under ``name`` from now on (see ``vllm_ext/ms_vllm_ext.py``)."""
@@ -473,6 +490,28 @@ class VllmServer:
             return [adapter_staleness(c, parse_served_name(model)[1]) for c in choices]
         # A vLLM without per-token weight versions (before 0.32) gives none of the staleness fields, not empty ones.
         return [staleness(c) for c in choices] if self.features.has("token_weight_versions") else choices
+
+
+def _metric(metrics: str, name: str) -> float | None:
+    """A metric's values summed over its label sets (engines, served names), from Prometheus' text format (one
+    "name{labels} value" line each: one metric needs no parser); None where it is absent."""
+    lines = metrics.splitlines()
+    values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((f"{name}{{", f"{name} "))]
+    return sum(values) if values else None
+
+
+_LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\} (?P<stamp>\S+)$", re.MULTILINE)
+
+
+def _lora_in_use(metrics: str) -> set[str] | None:
+    """The adapters of the running and waiting requests as vLLM last recorded them (``vllm:lora_requests_info``: one
+    label set per combination seen, the latest stamped with the newest time); None where it reports none."""
+    latest = max(_LORA_INFO.finditer(metrics), key=lambda m: float(m["stamp"]), default=None)
+    if latest is None:
+        return None
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', latest["labels"]))
+    names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+    return {name for name in names.split(",") if name}
 
 
 def with_token_ids(choice: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ SERVING_STAGES = (
     "merged_serving",
     "chat_template_rollout",
     "train_inference_mismatch",
+    "staleness_boundary",
     "rl_trainability",
 )
 NO_MLA_LORA = "merged-only: vLLM applies no LoRA to MLA's kv_b_proj"
@@ -73,6 +74,9 @@ def test_check_tiny_on_deepseek_v3_runs_every_stage(default_check):
     assert results["chat_template_rollout"]["status"] == "pass", results["chat_template_rollout"]
     mismatch = results["train_inference_mismatch"]
     assert mismatch["status"] == "pass" and within_thresholds(mismatch), mismatch
+    boundary = results["staleness_boundary"]  # merged weights pushed inside a generation (no MLA LoRA to swap)
+    assert boundary["status"] == "pass" and within_thresholds(boundary), boundary
+    assert boundary["metrics"]["modes"] == "merged"
     rl = results["rl_trainability"]
     assert rl["status"] == "pass" and within_thresholds(rl), rl
 

@@ -20,7 +20,7 @@ STAGES = (
     "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "lora_gradients", "packed_position_ids",
     "shared_prefix", "trainability",
     "parallel_parity", "native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch",
-    "rl_trainability",
+    "staleness_boundary", "rl_trainability",
 )  # fmt: skip
 
 

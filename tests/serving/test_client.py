@@ -278,3 +278,21 @@ def test_a_request_without_the_owners_key_is_refused_and_changes_nothing(
     after = server.completion([11, 12, 13], max_tokens=1, temperature=0.0, logprobs=0)
     assert after["token_ids"] == before["token_ids"]
     assert after["logprobs"]["token_logprobs"] == before["logprobs"]["token_logprobs"]
+
+
+def test_the_adapters_in_use_are_the_latest_label_set_vllm_recorded() -> None:
+    from model_support.core.serving.vllm_backend import _lora_in_use, _metric
+
+    metrics = "\n".join(
+        [
+            "# TYPE vllm:lora_requests_info gauge",
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="m-lora@1",waiting_lora_adapters=""} 1.7e9',
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters="a@2,m-lora@2"} 1.8e9',
+            'vllm:num_requests_running{engine="0",model_name="m@0"} 1.0',
+            'vllm:num_requests_running{engine="1",model_name="m@0"} 2.0',
+        ]
+    )
+    assert _lora_in_use(metrics) == {"a@2", "m-lora@2"}
+    assert _lora_in_use("vllm:num_requests_running 0.0") is None
+    assert _metric(metrics, "vllm:num_requests_running") == 3.0
+    assert _metric(metrics, "vllm:num_requests_waiting") is None

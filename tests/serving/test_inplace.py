@@ -278,6 +278,40 @@ def test_a_lora_hot_swap_during_a_generation_leaves_it_on_its_adapter(qwen3_serv
 
 
 @pytest.mark.slow
+def test_a_hot_swap_while_the_old_adapters_request_waits_keeps_its_files(qwen3_server, tiny_model_dir, tmp_path):
+    """vLLM loads an unloaded adapter again from its path for a request admitted on it whose worker let it go (here:
+    paused while the swap lands); with the server's copy removed at the swap its engine died. The copy now stays
+    while the request is in flight and goes at the next swap or removal once nothing uses it."""
+    import threading
+
+    server, base = qwen3_server, tiny_model_dir("qwen3")
+    copies = server.process.tmp_dir / "adapters"
+    sampling = {"max_tokens": 64, "min_tokens": 64, "temperature": 0.0}
+    old = server.update_adapter(random_adapter(base, TARGETS, tmp_path / "first", seed=73))
+    try:
+        out: list[list[dict]] = []
+        generation = threading.Thread(target=lambda: out.append(server.generate(PROMPT, model=old, **sampling)))
+        start = server.generated_tokens()
+        generation.start()
+        for _ in range(20_000):  # until it has sampled a few tokens (bounded by count)
+            if server.generated_tokens() - start >= 4:
+                break
+            generation.join(0.001)
+        server.pause()
+        try:
+            new = server.update_adapter(random_adapter(base, TARGETS, tmp_path / "second", seed=74))
+            assert (copies / old).is_dir()  # the waiting request still needs it
+        finally:
+            server.resume()
+        generation.join()
+        assert len(out[0][0]["token_ids"]) == 64 and server.models()
+    finally:
+        server.remove_adapter()
+    assert not any(copies.iterdir())  # nothing in flight: every unloaded adapter's copy is gone
+    assert sorted(server.models()) == [server.served_name] and new not in server.models()
+
+
+@pytest.mark.slow
 def test_lora_hot_swap_advances_the_adapter_and_keeps_the_base(qwen3_server, tiny_model_dir, tmp_path):
     """Each step exported into one fixed directory (as a trainer does), a file of the user's beside it: the server
     loads its own copy, so nothing of the caller's is deleted, and the copy of an unloaded adapter is removed."""

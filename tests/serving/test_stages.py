@@ -14,6 +14,7 @@ SERVING_STAGES = (
     "merged_serving",
     "chat_template_rollout",
     "train_inference_mismatch",
+    "staleness_boundary",
     "rl_trainability",
 )
 
@@ -58,6 +59,10 @@ def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     assert mismatch["sampled_tokens"] == 48
     # ART's figures, reported beside the stage's own: within ART's limits for a correct model.
     assert 0 <= mismatch["art_prob_abs_diff_mean"] <= 0.04 and 0 <= mismatch["art_top20_kl_mean"] <= 0.002, mismatch
+    boundary = by_stage["staleness_boundary"]  # an update inside a generation, in each mode the server takes
+    assert boundary["status"] == "pass", boundary
+    assert boundary["metrics"]["modes"] == ("merged" if moe_on_cpu else "lora, merged"), boundary
+    assert 0 < boundary["metrics"]["merged_boundary"] < 64 and boundary["metrics"]["merged_fields_wrong"] == 0
     rl = by_stage["rl_trainability"]
     assert rl["status"] == "pass", rl
     assert all(rl["metrics"][m] <= limit for m, limit in rl["thresholds"].items())
@@ -65,15 +70,17 @@ def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     assert rl["metrics"]["stale_served_names"] == 0 and rl["metrics"]["stale_tokens"] == 0
     if moe_on_cpu:  # merged weights pushed in place; no routed-expert LoRA to hot-swap on the CPU build
         assert rl["metrics"]["modes"] == "merged", rl
-        # @2: the merged loop's start (a fresh LoRA: the base weights), then one push per step.
-        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['merged_steps'] + 2}"
+        # staleness_boundary: @2 the base pushed back, @3 the policy pushed inside a generation; then @4 the merged
+        # loop's start (a fresh LoRA: the base weights), then one push per step.
+        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['merged_steps'] + 4}"
     else:
         # Both sync modes: the adapter hot-swapped onto the base, then merged weights pushed in place.
         assert rl["metrics"]["modes"] == "lora, merged", rl
         assert rl["metrics"]["lora_final_reward"] >= 0.9
-        # @2: the base weights pushed back under the adapter (merged_serving left the policy in @1); @3 the merged
+        # staleness_boundary: @2 the base pushed back under its adapters (merged_serving left the policy in @1), @3
+        # the policy pushed inside a generation; @4 the base again under rl_trainability's adapter, @5 the merged
         # loop's start (a fresh LoRA: the base weights again), then one push per step.
-        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['merged_steps'] + 3}"
+        assert rl["metrics"]["served_model"] == f"{handler}@{rl['metrics']['merged_steps'] + 5}"
 
     native = by_stage["native_vllm_lora"]
     if moe_on_cpu:

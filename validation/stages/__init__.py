@@ -12,6 +12,7 @@ from model_support.validation.stages.packed_position_ids import PackedPositionId
 from model_support.validation.stages.parallel_parity import ParallelParityStage
 from model_support.validation.stages.rl_trainability import RlTrainabilityStage
 from model_support.validation.stages.shared_prefix import SharedPrefixStage
+from model_support.validation.stages.staleness_boundary import StalenessBoundaryStage
 from model_support.validation.stages.train_inference_mismatch import TrainInferenceMismatchStage
 from model_support.validation.stages.trainability import TrainabilityStage
 from model_support.validation.stages.weights import WeightsStage
@@ -31,6 +32,7 @@ BUILTIN_STAGES = (
     MergedServingStage,
     ChatTemplateRolloutStage,
     TrainInferenceMismatchStage,
+    StalenessBoundaryStage,
     RlTrainabilityStage,
 )
 
@@ -48,6 +50,7 @@ __all__ = [
     "ParallelParityStage",
     "RlTrainabilityStage",
     "SharedPrefixStage",
+    "StalenessBoundaryStage",
     "TrainInferenceMismatchStage",
     "TrainabilityStage",
     "WeightsStage",
