@@ -129,24 +129,6 @@ REFERENCE_LOWP_ERROR: Resource[dict[str, float] | None] = Resource(
 )
 
 
-def _measure_reference_grad_lowp(ctx: Any) -> dict[str, float] | None:
-    """transformers' own rounding distance on LoRA gradients, as ``lora_gradients`` measures it while it compares
-    (which provides it): measured here only where it has not run."""
-    from model_support.validation.stages.lora_gradients import reference_gradient_lowp
-
-    return reference_gradient_lowp(ctx)
-
-
-REFERENCE_LOWP_GRAD_ERROR: Resource[dict[str, float] | None] = Resource(
-    "reference_lowp_grad_error",
-    "how far transformers' own LoRA gradients in the model's dtype land from its fp32 ones, every factor as one "
-    "vector, on lora_gradients' rows (None for an fp32 model): provided by lora_gradients as it compares, measured on "
-    "first use where it has not run",
-    _measure_reference_grad_lowp,
-    uses=(TRAINING_MODEL, HF_REFERENCES, LORA),
-)
-
-
 def megatron_model(ctx: Any) -> MegatronModel:
     """The bridge-built megatron-core model of the run (the training model's ``built``)."""
     return ctx.state.get(TRAINING_MODEL).built

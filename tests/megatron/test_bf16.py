@@ -125,7 +125,8 @@ def test_a_stage_alone_in_bf16_measures_the_reference_rounding_as_hf_parity_does
     (gradients) provide as they compare. Run alone (neither run), a stage has each measured on first use: on those
     stages' rows, to the same numbers."""
     require_megatron()
-    from model_support.validation.megatron_session import REFERENCE_LOWP_ERROR, REFERENCE_LOWP_GRAD_ERROR
+    from model_support.validation.megatron_session import REFERENCE_LOWP_ERROR
+    from model_support.validation.stages.lora_gradients import REFERENCE_LOWP_GRAD_ERROR
 
     model_dir = tiny_model_dir("qwen3-moe")
     with_parity = _context(model_dir, tmp_path / "with")

@@ -132,13 +132,14 @@ def test_the_report_says_which_stage_built_what(megatron_report) -> None:
     }
     assert built["lora_coverage"] == {"lora": ("run", False), "trained_adapter": ("run", True)}
     assert built["trainability"] == {"chat_renderer": ("prepare", False), "tokenizer": ("run", False)}
-    assert built["lora_gradients"] == built["packed_position_ids"] == built["shared_prefix"] == {}
+    assert built["lora_gradients"] == {"reference_lowp_grad_error": ("run", True)}
+    assert built["packed_position_ids"] == built["shared_prefix"] == {}
 
 
 def test_a_stage_run_alone_builds_exactly_its_inputs(tiny_model_dir, tmp_path) -> None:
     """``check -s packed_position_ids --alone``: its prerequisites do not run, it builds the model and LoRA it
-    reads and the reference rounding measure hf_parity would have provided (None in fp32, which reads no
-    reference), and nothing else."""
+    reads and the reference rounding measures hf_parity and lora_gradients would have provided (None in fp32, which
+    reads no reference), and nothing else."""
     from transformers import AutoConfig
 
     from model_support.core.registry import load_registry
@@ -152,6 +153,7 @@ def test_a_stage_run_alone_builds_exactly_its_inputs(tiny_model_dir, tmp_path) -
     ctx = CheckContext("qwen3", model_dir, handler, config, handler.spec.layout(config), registry, tmp_path, tiny=True)
     (result,) = run_checks(ctx, plan(load_stages(registry).classes(), ["packed_position_ids"], alone=True)).results
     assert result.status is Status.PASS, result.summary
-    assert set(result.built) == {"training_model", "lora", "reference_lowp_error"}
-    assert {r.name for r in ctx.state.origins} == {"training_model", "lora", "reference_lowp_error"}
+    inputs = {"training_model", "lora", "reference_lowp_error", "reference_lowp_grad_error"}
+    assert set(result.built) == inputs
+    assert {r.name for r in ctx.state.origins} == inputs
     assert result.details[-1] == "run alone: prerequisite stage(s) hf_parity not run"

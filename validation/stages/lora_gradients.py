@@ -11,9 +11,10 @@ import torch
 # LOWP_TOLERANCE_FACTOR is re-exported so the stage reference (docs/stages.md) lists it for this stage.
 from model_support.core.megatron.compare import LOWP_FLOOR, LOWP_TOLERANCE_FACTOR
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_GRAD_ERROR, TRAINING_MODEL
+from model_support.validation.megatron_session import HF_REFERENCES, LORA, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+from model_support.validation.state import Resource
 
 if TYPE_CHECKING:
     from model_support.core.megatron.hf_reference import LoraDelta
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GRADIENT_FP32_TOLERANCES",
     "LOWP_TOLERANCE_FACTOR",
+    "REFERENCE_LOWP_GRAD_ERROR",
     "LoraGradientsStage",
     "megatron_gradients",
     "reference_gradient_lowp",
@@ -155,6 +157,16 @@ def gradient_cases(ctx: Any) -> dict[str, list[torch.Tensor]]:
         "long": [random_tokens(ctx, (1, length), offset=LONG_ROW_SEED)],
         "packed": [random_tokens(ctx, (1, n), offset=PACKED_SEED + i) for i, n in enumerate(packed_lengths(length))],
     }
+
+
+REFERENCE_LOWP_GRAD_ERROR: Resource[dict[str, float] | None] = Resource(
+    "reference_lowp_grad_error",
+    "how far transformers' own LoRA gradients in the model's dtype land from its fp32 ones, every factor as one "
+    "vector, on lora_gradients' rows (None for an fp32 model): provided by lora_gradients as it compares, measured on "
+    "first use where it has not run",
+    reference_gradient_lowp,
+    uses=(TRAINING_MODEL, HF_REFERENCES, LORA),
+)
 
 
 def reference_runs(

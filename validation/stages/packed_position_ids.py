@@ -9,14 +9,10 @@ import torch
 # Re-exported so the stage reference (docs/stages.md) lists the tolerances this stage applies.
 from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR, SAME_MODEL_FP32_TOLERANCES
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import (
-    LORA,
-    REFERENCE_LOWP_ERROR,
-    REFERENCE_LOWP_GRAD_ERROR,
-    TRAINING_MODEL,
-)
+from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+from model_support.validation.stages.lora_gradients import REFERENCE_LOWP_GRAD_ERROR
 
 __all__ = ["LOWP_TOLERANCE_FACTOR", "SAME_MODEL_FP32_TOLERANCES", "PackedPositionIdsStage"]
 

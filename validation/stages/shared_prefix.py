@@ -8,14 +8,10 @@ from typing import Any
 import torch
 
 from model_support.validation.context import CheckContext
-from model_support.validation.megatron_session import (
-    LORA,
-    REFERENCE_LOWP_ERROR,
-    REFERENCE_LOWP_GRAD_ERROR,
-    TRAINING_MODEL,
-)
+from model_support.validation.megatron_session import LORA, REFERENCE_LOWP_ERROR, TRAINING_MODEL
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
+from model_support.validation.stages.lora_gradients import REFERENCE_LOWP_GRAD_ERROR
 
 
 class SharedPrefixStage(Stage):

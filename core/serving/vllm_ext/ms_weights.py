@@ -226,17 +226,31 @@ def _reload_in_place(vllm_config: Any, model: Any, weights: Iterable[tuple[str, 
 
 def _layers_left_unloaded(model: Any, info_of: Any) -> list[str]:
     """The layers with parameters that took none of the reloaded tensors, between ``load_weights`` and
-    ``finalize_layerwise_reload``. Not counted: a layer with buffers only (a rotary cache, an attention layer's
-    scales: they take none by design) and a layer whose parameters are another loaded layer's (a tied ``lm_head``)."""
+    ``finalize_layerwise_reload``. Not counted: a layer with buffers only (a rotary cache), an attention layer
+    (vLLM derives what it holds, MLA's absorbed projections or an attention's scales, when it finalizes the reload)
+    and a layer whose parameters are another loaded layer's (a tied ``lm_head``)."""
+    deferred = _deferred_attention()
     waiting: dict[str, list[Any]] = {}
     loaded: set[int] = set()
     for name, layer in model.named_modules():
         info = info_of(layer)
         if not info.can_load():  # processed, its parameters the live ones again
             loaded.update(id(p) for p in layer._parameters.values() if p is not None)
-        elif info.load_numel == 0 and info.kernel_tensors is not None and info.kernel_tensors[0]:
+        elif info.load_numel == 0 and info.kernel_tensors and info.kernel_tensors[0] and not deferred(layer):
             waiting[name] = list(info.kernel_tensors[0].values())
     return [name for name, parameters in waiting.items() if not all(id(p) in loaded for p in parameters)]
+
+
+def _deferred_attention() -> Any:
+    """vLLM's test for the attention layers its layerwise reload processes last, at finalize (0.32 names it; 0.26
+    tests the two classes)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+
+        return lambda layer: isinstance(layer, (Attention, MLAAttention))
+    return is_deferred_attention_layer
 
 
 @contextlib.contextmanager
