@@ -91,6 +91,22 @@ def test_a_target_naming_other_hf_modules_than_the_bridge_mapping_fails(tiny_mod
     )
 
 
+def test_an_architecture_no_bridge_maps_fails_naming_how_to_register_one(tiny_model_dir, tmp_path):
+    """A checkpoint whose architecture megatron-bridge maps no bridge for: nothing of the Megatron side can be built,
+    and the stage says so (it used to pass, with a details line that the targets were not checked)."""
+    ctx = _context(QWEN3, tiny_model_dir("qwen3"), tmp_path)
+    stored = stored_names(build_meta_model(ctx.config))
+    ctx.config.architectures = ["Qwen3UnbridgedForCausalLM"]
+    problems, details = ArchitectureStage._bridge_checks(ctx, stored)
+    assert details == []
+    (problem,) = problems
+    assert problem.startswith("megatron-bridge has no bridge for Qwen3UnbridgedForCausalLM: ")
+    assert problem.endswith(
+        'the plugin registers one with the model_support_megatron_bridges hook (docs/adding-a-model.md, "A family '
+        'megatron-bridge lacks")'
+    )
+
+
 def test_a_mapped_linear_neither_targeted_nor_excluded_fails_and_an_exclusion_is_reported(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen3.5")
     no_in_proj = _without(QWEN3_5, "in_proj", TargetScope.GDN)

@@ -37,7 +37,9 @@ class ArchitectureStage(Stage):
     megatron-bridge mappings: each target's HF modules are those the mapping of its Megatron linear reads (what the
     codec writes); every LoRA linear the bridge maps in this model (attention, GDN, dense MLP, shared and routed
     experts) is a target or a ``lora_exclusions`` entry with its reason; the MoE sizes derived from the config
-    (expert count and width, shared-expert width, dense layers) match the checkpoint's tensor shapes."""
+    (expert count and width, shared-expert width, dense layers) match the checkpoint's tensor shapes. An
+    architecture megatron-bridge has no bridge for fails, naming the hook a plugin registers one with (without
+    megatron-bridge installed, those checks are named as not run)."""
 
     name = "architecture"
     title = "The config's architecture, layer layout and LoRA target modules match the handler declaration."
@@ -106,8 +108,14 @@ class ArchitectureStage(Stage):
 
         try:
             bridge, linears = bridge_linears(ctx.config, ctx.layout)
-        except (ImportError, MegatronUnavailableError, MegatronBuildError) as exc:
+        except (ImportError, MegatronUnavailableError) as exc:
             return [], [f"LoRA targets not checked against megatron-bridge's mappings: {exc}"]
+        except MegatronBuildError as exc:  # megatron-bridge is there and maps no such architecture
+            return [
+                f"{exc}; the Megatron side (the model under test, the codec's splits) comes from its bridge: the "
+                "plugin registers one with the model_support_megatron_bridges hook (docs/adding-a-model.md, "
+                '"A family megatron-bridge lacks")'
+            ], []
         present = model_linears(linears, stored)
         problems = target_name_problems(ctx.spec, bridge, linears)
         covered, details = coverage_problems(ctx.spec, bridge, linears, present)
