@@ -150,6 +150,21 @@ def with_random_lora(ctx: Any, offset: int) -> MegatronModel:
     return built
 
 
+def export_random_lora(ctx: Any, offset: int, directory: Path) -> Path:
+    """A seeded random adapter (:func:`with_random_lora`) exported through the API to ``directory``, the model's own
+    adapter put back after."""
+    from model_support.core.megatron.lora import load_lora_state, lora_state
+
+    model = megatron_model(ctx).model
+    ctx.state.get(LORA)
+    kept = lora_state(model)
+    try:
+        with_random_lora(ctx, offset)
+        return api.export_adapter(ctx.state.get(TRAINING_MODEL), directory)
+    finally:
+        load_lora_state(model, kept)
+
+
 def long_row(ctx: Any) -> int:
     """The length of the run's long rows: across every length-dependent structure of the model
     (:func:`~model_support.core.layout.length_structures`), and at least ``REAL_WIDTH_LONG_ROW`` tokens on a GPU."""

@@ -118,33 +118,30 @@ def reference_gradient_lowp(ctx: Any) -> dict[str, float] | None:
     vector, in Megatron's layout; the worst of the stage's two cases), on this stage's adapter and rows with the fp32
     run's routing; ``None`` for an fp32 model. The stage measures it as it compares; this is the same measurement
     where the stage has not run. The model's adapter is put back as it was."""
-    from model_support.core import api
     from model_support.core.megatron.compare import closeness
     from model_support.core.megatron.hf_reference import adapter_deltas
-    from model_support.core.megatron.lora import load_lora_state, lora_state
-    from model_support.validation.megatron_session import with_random_lora, worst_lowp
+    from model_support.core.megatron.lora import lora_state
+    from model_support.validation.megatron_session import export_random_lora, worst_lowp
 
     model = ctx.state.get(TRAINING_MODEL).built
     dtype = model.numerics.dtype
     if dtype == torch.float32:
         return None
-    before = lora_state(model.model)
-    try:
-        state = lora_state(with_random_lora(ctx, offset=ADAPTER_SEED).model)
-        adapter_dir = api.export_adapter(ctx.state.get(TRAINING_MODEL), ctx.workdir / "gradient-lowp-adapter")
-        deltas = adapter_deltas(adapter_dir)
-    finally:
-        load_lora_state(model.model, before)
+    deltas = adapter_deltas(export_random_lora(ctx, ADAPTER_SEED, ctx.workdir / "gradient-lowp-adapter"))
+    state = lora_state(model.model)  # its modules' names: megatron_gradients maps the factors by them
     cases = gradient_cases(ctx)
     exact, routings = reference_runs(ctx, torch.float32, deltas, cases)
     rounded, _ = reference_runs(ctx, dtype, deltas, cases, replay=routings)
     found = []
     for case in cases:
         ref, low = (megatron_gradients(ctx, state, run[case][1]) for run in (exact, rounded))
-        names = sorted(ref)
-        flat = [torch.cat([run[n].flatten() for n in names]) for run in (low, ref)]
-        found.append(closeness(*flat))
+        found.append(closeness(flat_gradients(low, sorted(ref)), flat_gradients(ref, sorted(ref))))
     return worst_lowp(found)
+
+
+def flat_gradients(grads: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """The gradients of ``names``, in that order, as one vector."""
+    return torch.cat([grads[n].flatten() for n in names])
 
 
 def gradient_cases(ctx: Any) -> dict[str, list[torch.Tensor]]:
@@ -343,7 +340,7 @@ class LoraGradientsStage(Stage):
             names = sorted(ref.grads)
 
             def flat(run: GradientRun, names: list[str] = names) -> torch.Tensor:
-                return torch.cat([run.grads[n].flatten() for n in names])
+                return flat_gradients(run.grads, names)
 
             worst, error, zero = worst_factor(ours.grads, ref.grads)
             grads = closeness(flat(ours), flat(ref))

@@ -197,10 +197,8 @@ def _paused_inside(
     start = server.generated_tokens() or 0
     thread = threading.Thread(target=generate, daemon=True)
     thread.start()
-    sampled = 0
     for _ in range(POLLS):
-        sampled = (server.generated_tokens() or 0) - start
-        if sampled >= LANDING or not thread.is_alive():
+        if (server.generated_tokens() or 0) - start >= LANDING or not thread.is_alive():
             break
         time.sleep(0.001)
     server.pause()
@@ -242,8 +240,7 @@ def _merged(ctx: CheckContext, server: Any, prompt: list[int]) -> tuple[dict[str
     # The tokens from the boundary on, scored afresh on the new weights.
     end = min(boundary + AFTER, len(tokens))
     after = (sampled[boundary:end] - _scored(server, [*prompt, *tokens[:boundary]], tokens[boundary:end])).abs()
-    expected = [old] * boundary + [new] * (len(tokens) - boundary)
-    fields_wrong = sum(a != b for a, b in zip(epochs, expected, strict=True)) + (len(epochs) != len(tokens))
+    fields_wrong = int(epochs != [old] * boundary + [new] * (len(tokens) - boundary))
     fields_wrong += choice["policy_epoch"] != [[0, old], [boundary, new]]
     fields_wrong += choice["kv_cache_epoch"] != [[0, new]]
     fields_wrong += choice["num_evictions"] != 1
@@ -277,14 +274,15 @@ def _merged(ctx: CheckContext, server: Any, prompt: list[int]) -> tuple[dict[str
 
 def _lora(ctx: CheckContext, server: Any, prompt: list[int]) -> tuple[dict[str, Any], list[str]]:
     from model_support.core.serving.update import parse_served_name
-    from model_support.validation.serving_session import policy_adapter
+    from model_support.validation.megatron_session import export_random_lora
+    from model_support.validation.serving_session import policy_adapter, serving_workdir
 
     first = server.update_adapter(policy_adapter(ctx)[0])
     try:
         step = parse_served_name(first)[1]
         alone = server.generate(prompt, model=first, **SAMPLING)[0]
         tol = _tolerance(server, prompt, alone, model=first)
-        second = _second_adapter(ctx)
+        second = export_random_lora(ctx, SECOND_ADAPTER_SEED, serving_workdir(ctx) / "staleness-adapter")
         names: list[str] = []
         choice, landed = _paused_inside(
             server, prompt, lambda: names.append(server.update_adapter(second)), model=first
@@ -316,21 +314,3 @@ def _lora(ctx: CheckContext, server: Any, prompt: list[int]) -> tuple[dict[str, 
         f"generation {'diverges at token ' + str(diverged) if diverged is not None else 'keeps the tokens'}"
     ]
     return found, lines
-
-
-def _second_adapter(ctx: CheckContext) -> Any:
-    """A seeded random adapter other than the policy, exported through the API (the model's adapter put back)."""
-    from model_support.core import api
-    from model_support.core.megatron.lora import load_lora_state, lora_state, random_lora_state
-    from model_support.validation.megatron_session import LORA, TRAINING_MODEL
-    from model_support.validation.serving_session import serving_workdir
-
-    model = ctx.state.get(TRAINING_MODEL)
-    ctx.state.get(LORA)
-    kept = lora_state(model.module)
-    try:
-        seed = ctx.seed + SECOND_ADAPTER_SEED
-        load_lora_state(model.module, random_lora_state(model.module, seed=seed, b_std=0.05))
-        return api.export_adapter(model, serving_workdir(ctx) / "staleness-adapter")
-    finally:
-        load_lora_state(model.module, kept)

@@ -299,16 +299,14 @@ def _experts_named_as_checkpoint(model: Any) -> Any:
 
 
 def _checkpoint_tensors(weights_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a safetensors checkpoint directory, one file at a time, in the files' name order."""
-    from safetensors import safe_open
+    """Every tensor of a safetensors checkpoint directory, one file at a time (vLLM's own iterator), in the files'
+    name order."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
-    files = sorted(Path(weights_dir).glob("*.safetensors"))
+    files = sorted(str(path) for path in Path(weights_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{weights_dir} has no *.safetensors file to reload")
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, handle.get_tensor(name)
+    return safetensors_weights_iterator(files, use_tqdm_on_load=False)
 
 
 @contextlib.contextmanager
