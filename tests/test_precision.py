@@ -1,4 +1,5 @@
-"""exact_fp32: fp32 comparisons on a GPU run without TF32, and the process's settings come back afterwards."""
+"""exact_fp32: fp32 comparisons on a GPU run without TF32, and the process's settings come back afterwards;
+eager_only: compiled functions run eagerly inside it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import pytest
 import torch
 
-from model_support.core.precision import TRITON_FP32_DEFAULT, exact_fp32
+from model_support.core.precision import TRITON_FP32_DEFAULT, eager_only, exact_fp32
 
 
 def test_settings_restored(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,6 +29,29 @@ def test_settings_restored(monkeypatch: pytest.MonkeyPatch) -> None:
             assert torch.backends.cuda.matmul.allow_tf32 and os.environ[TRITON_FP32_DEFAULT] == "tf32x3"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_eager_only_runs_compiled_functions_eagerly() -> None:
+    """A function wrapped in torch.compile (as megatron-core's jit_fuser wraps its layers' arithmetic) is not
+    compiled inside the block, and compiles as before outside it."""
+    graphs = []
+
+    def counting_backend(graph: torch.fx.GraphModule, _inputs: list[torch.Tensor]):
+        graphs.append(graph)
+        return graph.forward
+
+    @torch.compile(backend=counting_backend, dynamic=False)
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+    x = torch.randn(8)
+    with eager_only():
+        torch.testing.assert_close(gated(x), x * torch.sigmoid(x), rtol=0, atol=0)
+    assert graphs == []
+    with eager_only(enabled=False):
+        gated(x)
+    assert len(graphs) == 1
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (TF32 exists only on a GPU)")

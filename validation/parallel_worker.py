@@ -10,12 +10,13 @@ for the layout, two micro-batches), reduces the gradients as a trainer does (``a
 SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, the whole model's
 LoRA gradient norm (``api.lora_grad_norm``), each router's top-k expert sets (every token, in sequence order), the
 PEFT adapter the handler's codec exports before and after the step, the merged HF weights after it
-(``api.merged_weights``), and the logits of shared-prefix rows (a prompt and three completions each; not under
-context parallelism, which needs THD attention for packed rows), the adapter ``api.apply_lora`` draws (its seed
-makes it one canonical adapter in every layout), and the trainer's scoring calls (``api.token_logprobs``,
-``api.group_logprobs``) with how far any rank's rows are from rank 0's. ``single`` (one rank's model, the rest data
-parallel) is the oracle the stage compares every other layout with. A rank's error goes to
-``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
+(``api.merged_weights``), and, on the adapter before the step, the logits of shared-prefix rows (a prompt and
+three completions each; not under context parallelism, which needs THD attention for packed rows) and the trainer's
+scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are from rank 0's; and
+the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout). fp32 runs are
+eager (:func:`model_support.core.precision.eager_only`), bf16 runs compile what megatron-core compiles.
+``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other layout with. A
+rank's error goes to ``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from model_support.core.megatron.forward import MicroBatch
 from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
 from model_support.core.megatron.names import global_name
 from model_support.core.megatron.rows import RowLayout
-from model_support.core.precision import exact_fp32
+from model_support.core.precision import eager_only, exact_fp32
 from model_support.core.registry import load_registry
 from model_support.kernels.tuning import settle_fla_kernels
 from model_support.validation import ranks
@@ -200,9 +201,24 @@ def _base_logprobs(model: api.TrainingModel, sequences: list[list[int]]) -> list
 
 def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, timeout: timedelta | None = None) -> None:
     """One run of the job (``token``: a layout, in fp32 or with ``.bf16`` in bf16; see :func:`parse_run`)."""
+    name, dtype = parse_run(token)
+    # fp32 runs are held to fixed tolerances: every layout on eager arithmetic (see eager_only); bf16 runs compile
+    # as a trainer's do.
+    with eager_only(dtype == torch.float32):
+        _run_layout(out_dir, model_dir, handler_name, name, token, dtype, timeout)
+
+
+def _run_layout(
+    out_dir: Path,
+    model_dir: Path,
+    handler_name: str,
+    name: str,
+    token: str,
+    dtype: torch.dtype,
+    timeout: timedelta | None,
+) -> None:
     from megatron.core import parallel_state
 
-    name, dtype = parse_run(token)
     layout = _layout(name)
     handler = load_registry().get(handler_name)
     model = api.build_model(model_dir, handler=handler, parallel=layout, dtype=dtype, timeout=timeout)
@@ -212,6 +228,26 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
     fresh = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
     load_lora_state(chunks, random_lora_state(chunks, seed=SEED, b_std=0.05))
     before = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
+    # The forward-only rows run on the adapter every layout shares, before the step: after it each layout's adapter
+    # carries its own gradients' round-off (held to the gradient limits), which a real-width model's packed rows
+    # carry on to their logits at 1e-4.
+    shared = {}
+    if layout.context_parallel == 1:  # a packed row under context parallelism needs THD attention
+        # One row per micro-batch (the interleaved schedule needs as many micro-batches as pipeline ranks).
+        rows = RowLayout.shared_prefix(*SHARED_ROW)
+        tokens = torch.randint(0, 500, (MICRO_BATCHES, rows.length), generator=torch.Generator().manual_seed(SEED + 3))
+        positions = rows.position_ids().expand(MICRO_BATCHES, -1)
+        out = api.forward_backward(
+            model,
+            tokens,
+            _next_token_loss,
+            position_ids=positions,
+            micro_batches=MICRO_BATCHES,
+            forward_only=True,
+            keep_logits=True,
+        )
+        shared = {"shared_logits": out.logits}
+    scored = _scored(model)
     shape = (BATCH, _sequence_length(model))
     tokens = torch.randint(0, 500, shape, generator=torch.Generator().manual_seed(SEED + 2))
     records, handles = _router_topk(chunks)
@@ -236,23 +272,6 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
     }
     topk = _stage_results(topk)
     merged = {name: tensor for bucket in api.merged_weights(model) for name, tensor in bucket.items()}
-    shared = {}
-    if layout.context_parallel == 1:  # a packed row under context parallelism needs THD attention
-        # One row per micro-batch (the interleaved schedule needs as many micro-batches as pipeline ranks).
-        rows = RowLayout.shared_prefix(*SHARED_ROW)
-        tokens = torch.randint(0, 500, (MICRO_BATCHES, rows.length), generator=torch.Generator().manual_seed(SEED + 3))
-        positions = rows.position_ids().expand(MICRO_BATCHES, -1)
-        out = api.forward_backward(
-            model,
-            tokens,
-            _next_token_loss,
-            position_ids=positions,
-            micro_batches=MICRO_BATCHES,
-            forward_only=True,
-            keep_logits=True,
-        )
-        shared = {"shared_logits": out.logits}
-    scored = _scored(model)
     if dist.get_rank() == 0:
         tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}

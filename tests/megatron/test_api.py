@@ -239,3 +239,33 @@ def test_bad_lora_arguments_are_refused_in_one_line(tiny_model_dir, rank, alpha)
     with pytest.raises(LoraError, match=r"^(rank is the LoRA's rank|alpha is the LoRA's positive)"):
         api.apply_lora(model, rank=rank, alpha=alpha)
     assert model.lora is None
+
+
+def test_parallel_parity_scores_the_adapter_every_layout_shares(qwen35, tmp_path):
+    """The worker's forward-only rows (scoring calls, shared-prefix row) are taken on the adapter before the step:
+    after it each layout's adapter carries its own gradients' round-off, which a real-width model carries on to its
+    log-probs past the fp32 limit. The single-rank run's rows equal this model's on that adapter."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from model_support.validation.parallel_worker import SEED, _scored
+
+    out = tmp_path / "job"
+    subprocess.run(
+        [sys.executable, "-m", "model_support.validation.parallel_worker", "--world", "1", str(out),
+         str(qwen35.model_dir), "qwen3.5", "single"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    written = load_file(str(out / "single.safetensors"))
+    kept = lora_state(qwen35.chunks)
+    try:
+        load_lora_state(qwen35.chunks, random_lora_state(qwen35.chunks, seed=SEED, b_std=0.05))
+        rows = _scored(qwen35)
+    finally:
+        load_lora_state(qwen35.chunks, kept)
+    scored = [k for k in rows if k.endswith("logprobs." + k.rsplit(".", 1)[-1])]
+    assert len(scored) == 6
+    for key in scored:
+        torch.testing.assert_close(written[key], rows[key], rtol=0, atol=1e-6)
