@@ -22,6 +22,8 @@ from model_support.core.spec import LORA_LINEAR, TargetScope
 # A decoder-layer weight: per-expert (local_experts.*.linear_fc1.weight) and grouped-GEMM (experts.linear_fc1.weight*)
 # names alike.
 _DECODER_WEIGHT = re.compile(r"^decoder\.layers\.\*\.(.+)\.(\w+)\.weight\*?$")
+# megatron-core's MoE router weight, which a bridge maps from the family's own router (or gate) module.
+_ROUTER_WEIGHT = "decoder.layers.*.mlp.router.weight"
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,23 @@ def bridge_linears(config: Any, layout: ModelLayout, checkpoint: Any = None) -> 
     model_bridge, tcfg = family_bridge(config)
     model_bridge.hf_pretrained = hf_pretrained(tcfg, checkpoint)
     return type(model_bridge).__name__, mapped_linears(mapping_registry(model_bridge).mappings, layout)
+
+
+def router_modules(mappings: Iterable[Any]) -> tuple[str, ...]:
+    """The HF modules a bridge's ``mappings`` load megatron-core's MoE router from, as paths inside a decoder layer
+    (``model.layers.*.mlp.gate.weight`` -> ``mlp.gate``)."""
+    found: dict[str, None] = {}
+    for mapping in mappings:
+        if mapping.megatron_param == _ROUTER_WEIGHT and isinstance(mapping.hf_param, str):
+            found[mapping.hf_param.split("layers.*.", 1)[-1].removesuffix(".weight")] = None
+    return tuple(found)
+
+
+def bridge_routers(config: Any) -> tuple[str, ...]:
+    """:func:`router_modules` of ``config``'s family bridge (the same errors as :func:`bridge_linears`)."""
+    from model_support.core.megatron.builder import family_bridge, mapping_registry
+    from model_support.core.megatron.state_source import hf_pretrained
+
+    model_bridge, tcfg = family_bridge(config)
+    model_bridge.hf_pretrained = hf_pretrained(tcfg, None)
+    return router_modules(mapping_registry(model_bridge).mappings)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,9 +113,19 @@ def bridge_layout(config: Any) -> BridgeLayout:
 
         model_bridge, tcfg = family_bridge(config)
         provider = model_bridge.provider_bridge(SimpleNamespace(config=tcfg, generation_config=None))
-    except (ImportError, MegatronUnavailableError) as exc:
-        missing = f"megatron-bridge is not installed ({exc}); pip install 'model-support[megatron]'"
-        raise BridgeTargetsError(missing) from None
+    except MegatronUnavailableError as exc:
+        raise BridgeTargetsError(str(exc)) from None
+    except ImportError as exc:
+        if (exc.name or "megatron").split(".")[0] == "megatron":
+            raise BridgeTargetsError(
+                f"megatron-bridge is not installed ({exc}); pip install 'model-support[megatron]'"
+            ) from None
+        # megatron-bridge imports; the family's bridge needs a package this machine lacks.
+        architecture = (getattr(config, "architectures", None) or ["this architecture"])[0]
+        raise BridgeTargetsError(
+            f"megatron-bridge's bridge for {architecture} does not import here ({exc}): install "
+            f"{exc.name or 'what it names'} to read the Megatron model it builds"
+        ) from None
     except MegatronBuildError as exc:
         raise BridgeTargetsError(str(exc)) from None
     experts = int(provider.num_moe_experts or 0)
@@ -334,6 +347,30 @@ def _dense_layers_function(name: str, value: Any) -> str:
     )
 
 
+class _OpenQuestions:
+    """What the config leaves open, gathered over the whole declaration so that one run names all of it (each
+    question's own line, with the option that settles it)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def answer[T](self, find: Callable[..., T], *args: Any) -> T | None:
+        """``find(*args)``, or None with its question kept when it raises :class:`NewHandlerError`."""
+        try:
+            return find(*args)
+        except NewHandlerError as exc:
+            self.lines.append(str(exc))
+            return None
+
+    def settle(self) -> None:
+        """Raise one error naming every open question (the first alone when there is one)."""
+        if len(self.lines) == 1:
+            raise NewHandlerError(self.lines[0])
+        if self.lines:
+            numbered = "; ".join(f"({i}) {line}" for i, line in enumerate(self.lines, 1))
+            raise NewHandlerError(f"{len(self.lines)} things the config leaves open: {numbered}")
+
+
 def declare_layout(
     fields: Mapping[str, Any], kinds: Sequence[str], bridge: BridgeLayout | None, options: LayoutOptions
 ) -> LayoutDeclaration:
@@ -345,19 +382,21 @@ def declare_layout(
         else "not checked against a bridge (none could be read)"
     )
     declaration = LayoutDeclaration(f"Where the config keeps its layout, {note}; the rest: the defaults.")
-    _layer_kinds(kinds, options.layer_kinds, declaration)
-    experts = _experts(fields, bridge, options.experts)
+    open_ = _OpenQuestions()
+    open_.answer(_layer_kinds, kinds, options.layer_kinds, declaration)
+    experts = open_.answer(_experts, fields, bridge, options.experts)
     if experts is None:
-        if options.moe_options():
+        if not open_.lines and options.moe_options():
             raise NewHandlerError(f"{', '.join(options.moe_options())}: the config has no experts (a dense model)")
+        open_.settle()  # the expert count open: the other MoE fields cannot be told apart from it
         return declaration
-    defaults = ConfigFields()
-    if defaults.expert_field(fields.get) != experts:
-        declaration.kwargs["experts"] = _py((experts,))
     if options.experts_per_token:
-        top_k = _named(fields, options.experts_per_token, "--experts-per-token-field", _positive, "an expert count")
+        top_k = open_.answer(
+            _named, fields, options.experts_per_token, "--experts-per-token-field", _positive, "an expert count"
+        )
     else:
-        top_k = _field(
+        top_k = open_.answer(
+            _field,
             fields,
             _EXPERTS_PER_TOKEN,
             "experts per token",
@@ -366,21 +405,28 @@ def declare_layout(
             "top_k",
             lambda value: _positive(value) and value <= fields[experts],
         )
+    if options.expert_width:
+        width = open_.answer(_named, fields, options.expert_width, "--expert-width-field", _positive, "a width")
+    else:
+        width = open_.answer(
+            _field, fields, _EXPERT_WIDTH, "expert width", "--expert-width-field", bridge, "expert_width"
+        )
+    # A shared expert may be counted in routed widths: asked once the routed width is known.
+    shared = open_.answer(_shared_expert, fields, width, bridge, options) if width else None
+    dense = open_.answer(_dense_layers, fields, bridge, options.dense_layers)
+    open_.settle()
+    defaults = ConfigFields()
+    if defaults.expert_field(fields.get) != experts:
+        declaration.kwargs["experts"] = _py((experts,))
     if top_k != defaults.experts_per_token:
         declaration.kwargs["experts_per_token"] = _py(top_k)
-    if options.expert_width:
-        width = _named(fields, options.expert_width, "--expert-width-field", _positive, "a width")
-    else:
-        width = _field(fields, _EXPERT_WIDTH, "expert width", "--expert-width-field", bridge, "expert_width")
     if width != defaults.expert_intermediate_size:
         declaration.kwargs["expert_intermediate_size"] = _py(width)
-    shared = _shared_expert(fields, width, bridge, options)
     if shared and shared[1]:  # a count of shared experts: their width is a function of the config
         declaration.functions.append(_shared_expert_function(shared[0], width))
         declaration.kwargs["shared_expert_intermediate_size"] = "_shared_expert_width"
     elif shared:
         declaration.kwargs["shared_expert_intermediate_size"] = _py(shared[0])
-    dense = _dense_layers(fields, bridge, options.dense_layers)
     if dense:
         declaration.functions.append(_dense_layers_function(dense, fields[dense]))
         declaration.kwargs["dense_layers"] = "_dense_layers"
@@ -620,28 +666,46 @@ def _targets(config: Any, layout: Any) -> dict[str, Any]:
 def generate(context: dict[str, Any], output_dir: Path, no_input: bool = True, overwrite: bool = False) -> Path:
     """Run the cookiecutter template; returns the generated package directory."""
     try:
-        from cookiecutter.exceptions import CookiecutterException, OutputDirExistsException
+        from cookiecutter.exceptions import CookiecutterException
         from cookiecutter.main import cookiecutter
     except ImportError:
         raise NewHandlerError("cookiecutter is not installed: pip install 'model-support[dev]'") from None
 
-    output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
+        # Written where nothing else is, and copied to output_dir only once its handler loads.
         try:
-            created = cookiecutter(
-                str(TEMPLATE),
-                no_input=no_input,
-                extra_context=context,
-                output_dir=str(output_dir),
-                overwrite_if_exists=overwrite,
-                # No user config, and the replay file goes to a scratch directory.
-                default_config={"replay_dir": scratch, "cookiecutters_dir": scratch},
+            trial = Path(
+                cookiecutter(
+                    str(TEMPLATE),
+                    no_input=no_input,
+                    extra_context=context,
+                    output_dir=str(Path(scratch) / "package"),
+                    # No user config, and the replay file goes to a scratch directory.
+                    default_config={"replay_dir": scratch, "cookiecutters_dir": scratch},
+                )
             )
-        except OutputDirExistsException as exc:
-            raise NewHandlerError(f"{exc}; pass --overwrite or choose another --output-dir") from None
         except CookiecutterException as exc:
             raise NewHandlerError(f"the plugin template failed: {exc}") from None
-    return Path(created)
+        check_loads(trial)
+        target = output_dir / trial.name
+        if target.exists() and not overwrite:
+            raise NewHandlerError(f"{target} already exists; pass --overwrite or choose another --output-dir")
+        shutil.copytree(trial, target, dirs_exist_ok=True)
+    return target
+
+
+def check_loads(package: Path) -> None:
+    """Import a generated package's handler in a child process (so this one keeps no module of it): a
+    :class:`NewHandlerError` naming the error's last line when it does not load."""
+    name = next((package / "src").iterdir()).name
+    probe = f"import sys; sys.path.insert(0, {str(package / 'src')!r}); import {name}.handler as h; h.HANDLER"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    if result.returncode:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise NewHandlerError(
+            f"the handler it would write does not load ({last}); nothing was written: the options of "
+            "`model-support new-handler --help` settle what the config leaves open (docs/adding-a-model.md)"
+        )
 
 
 def _layer_kind_options(values: Sequence[str]) -> dict[str, str]:

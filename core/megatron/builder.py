@@ -501,11 +501,14 @@ def _collectives_on_cpu() -> None:
         module.get_pos_emb_on_this_cp_rank = lambda emb, dim, group: local_part(emb, dim, group.rank(), group.size())
 
 
-def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
-    """On CPU, let a replicated parameter take the checkpoint tensor every rank has read itself.
+@contextlib.contextmanager
+def _replicated_read_locally(mapping: Any, module: torch.nn.Module) -> Iterator[None]:
+    """On CPU, while open, a replicated parameter takes the checkpoint tensor every rank has read itself.
 
     megatron-bridge's ReplicatedMapping broadcasts from TP rank 0 after moving the tensor to
-    ``torch.cuda.current_device()``; without a GPU each rank reads the same tensor from the checkpoint.
+    ``torch.cuda.current_device()``; without a GPU each rank reads the same tensor from the checkpoint. The
+    mapping sees a tensor-parallel group of one for the read, so a family's own mapping class (ERNIE 4.5's squeezes
+    its expert bias to megatron-core's shape) still converts the tensor; its groups are put back after.
     """
     from megatron.bridge.models.conversion.param_mapping import AutoMapping, ReplicatedMapping
 
@@ -513,8 +516,15 @@ def _replicate_locally(mapping: Any, module: torch.nn.Module) -> None:
         mapping._detected_type = mapping._detect_parallelism_type(module)
         mapping._mapping = mapping._get_or_create_mapping(mapping._detected_type)
     target = mapping._mapping if isinstance(mapping, AutoMapping) else mapping
-    if isinstance(target, ReplicatedMapping):
-        target.hf_to_megatron = lambda weights, _module: weights
+    if not isinstance(target, ReplicatedMapping):
+        yield
+        return
+    groups = target._tp_group, target._etp_group
+    target._tp_group = target._etp_group = None
+    try:
+        yield
+    finally:
+        target._tp_group, target._etp_group = groups
 
 
 def _mapped_tensors(
@@ -570,10 +580,10 @@ def _load_weights(built: MegatronModel) -> None:
         module, _ = get_module_and_param_from_name([chunk], name)
         if not hasattr(module, "config"):
             module.config = built.provider
-        if built.tensor_parallel > 1 and built.numerics.device.type != "cuda":
-            _replicate_locally(mapping, module)
+        local = built.tensor_parallel > 1 and built.numerics.device.type != "cuda"
         try:
-            value = mapping.hf_to_megatron(hf_weights, module)
+            with _replicated_read_locally(mapping, module) if local else contextlib.nullcontext():
+                value = mapping.hf_to_megatron(hf_weights, module)
         except Exception as exc:  # the bridge's own errors do not name the tensor
             shapes = (
                 {k: tuple(v.shape) for k, v in hf_weights.items()}

@@ -188,6 +188,7 @@ class StreamedReference:
             seed_triton_cache()
         with _parameters_on_meta():
             self.model = _model_class(config).from_config(config, dtype=dtype).eval()
+        self.routers = _router_modules(config)
         ignored = [f for f in SDPA_IGNORES if getattr(text_config(config), f, None)]
         if ignored and self.model.config._attn_implementation != "eager":
             # transformers' SDPA attention drops these (it has no soft-cap): the family's eager attention applies them.
@@ -280,7 +281,7 @@ class StreamedReference:
         try:
             with (
                 timing.phase("oracle"),
-                routing_hooks(self.model, captures if routers else None, replay),
+                routing_hooks(self.model, captures if routers else None, replay, self.routers),
                 exact_fp32(self.dtype == torch.float32),
             ):
                 out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
@@ -344,7 +345,7 @@ class _StreamedBackward:
         for param in self.ref.model.parameters():  # the embedding and head take no gradient
             param.requires_grad_(False)
         self.layers = self.ref.layers
-        self.blocks = [len(_moe_blocks(layer)) for layer in self.layers]
+        self.blocks = [len(_moe_blocks(layer, self.ref.routers)) for layer in self.layers]
 
     @contextmanager
     def _forwards(self, stand_in: Callable[[int], Callable[..., Any]]) -> Iterator[None]:
@@ -416,7 +417,7 @@ class _StreamedBackward:
                 for case, i, _ in rows:
                     key, captures = (case, i), []
                     chosen = None if case not in replay else self._routes(index, replay[case][i])
-                    with routing_hooks(self.layers[index], captures, chosen):
+                    with routing_hooks(self.layers[index], captures, chosen, self.ref.routers):
                         states[key].append(self._layer(index, states[key][index], calls[key][index]))
                     # What the forward ran: the replayed routing, or the routers' own choice.
                     routing[key] += chosen if chosen is not None else [c.indices for c in captures]
@@ -443,7 +444,7 @@ class _StreamedBackward:
                             continue
                         key = (case, i)
                         hidden = states[key][index].detach().requires_grad_(True)
-                        with routing_hooks(layer, None, self._routes(index, routing[key])):
+                        with routing_hooks(layer, None, self._routes(index, routing[key]), self.ref.routers):
                             out = self._layer(index, hidden, calls[key][index])
                         out.backward(upstream[key])
                         upstream[key] = hidden.grad
@@ -589,13 +590,35 @@ def _drop_weights(module: torch.nn.Module) -> None:
     module.to_empty(device="meta")
 
 
-def _moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
-    """(name, router, experts) of each MoE block in layer order: a module with a router child (its class name
-    contains "Router") and an ``experts`` child."""
+def _router_modules(config: Any) -> tuple[str, ...] | None:
+    """Where the family keeps its MoE router, as megatron-bridge maps megatron-core's router from it (paths inside a
+    decoder layer, :func:`~model_support.core.bridge_linears.bridge_routers`); None without a bridge for it."""
+    from model_support.core.bridge_linears import bridge_routers
+    from model_support.core.megatron.builder import MegatronBuildError
+    from model_support.core.megatron.imports import MegatronUnavailableError
+
+    try:
+        return bridge_routers(config) or None
+    except (MegatronBuildError, MegatronUnavailableError):
+        return None
+
+
+def _moe_blocks(
+    model: torch.nn.Module, routers: tuple[str, ...] | None = None
+) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
+    """(name, router, experts) of each MoE block in layer order: a module with an ``experts`` child and a router
+    child, the module at one of the ``routers`` paths (the bridge's mapping: a plain linear ``gate`` included), or
+    without them one whose class name contains "Router"."""
     blocks = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        router = next((m for m in module.children() if "Router" in type(m).__name__), None)
+        if routers is None:
+            router = next((m for m in module.children() if "Router" in type(m).__name__), None)
+        else:
+            paths = {f"{name}.{leaf}" if name else leaf: child for leaf, child in module.named_children()}
+            router = next(
+                (child for full, child in paths.items() for path in routers if f".{full}".endswith(f".{path}")), None
+            )
         if isinstance(experts, torch.nn.Module) and router is not None:
             blocks.append((name, router, experts))
     return blocks
@@ -603,12 +626,16 @@ def _moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torc
 
 @contextmanager
 def routing_hooks(
-    model: torch.nn.Module, captures: list[RouterCapture] | None = None, replay: list[torch.Tensor] | None = None
+    model: torch.nn.Module,
+    captures: list[RouterCapture] | None = None,
+    replay: list[torch.Tensor] | None = None,
+    routers: tuple[str, ...] | None = None,
 ) -> Iterator[None]:
-    """While open, each MoE block of ``model`` (in layer order) appends its routing to ``captures`` and/or takes the
-    top-k indices of ``replay`` (one tensor per block) instead of its router's choice. Under autograd the replayed
-    weights stay functions of the router's logits, as the router's own would."""
-    blocks = _moe_blocks(model)
+    """While open, each MoE block of ``model`` (in layer order; ``routers``: see :func:`_moe_blocks`) appends its
+    routing to ``captures`` and/or takes the top-k indices of ``replay`` (one tensor per block) instead of its
+    router's choice. Under autograd the replayed weights stay functions of the router's logits, as the router's own
+    would."""
+    blocks = _moe_blocks(model, routers)
     if replay is not None and len(replay) != len(blocks):
         raise ReferenceError(f"{len(replay)} routings to replay for {len(blocks)} MoE routers")
     handles = []

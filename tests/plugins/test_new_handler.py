@@ -394,12 +394,17 @@ def _variant(tmp_path: Path, base: Path, **changes: Any) -> Path:
     return path
 
 
+def _refusal(config: Path, **kwargs: Any) -> str:
+    """The one-line error template_context refuses ``config`` with."""
+    with pytest.raises(NewHandlerError) as error:
+        template_context(str(config), **kwargs)
+    return str(error.value)
+
+
 def test_errors_name_the_configs_own_fields_and_the_option_that_settles_them(tmp_path: Path):
     # GLM45Bridge builds one shared expert of moe_intermediate_size whatever n_shared_experts says.
     two_shared = _variant(tmp_path, GLM, n_shared_experts=2)
-    with pytest.raises(NewHandlerError) as error:
-        template_context(str(two_shared), name="glm2")
-    message = str(error.value)
+    message = _refusal(two_shared, name="glm2")
     assert "megatron-bridge's GLM45Bridge builds a shared expert 1408 wide" in message
     assert "the config sets none of shared_expert_intermediate_size" in message
     assert "the config sets n_shared_experts=2 (routed experts moe_intermediate_size=1408)" in message
@@ -461,3 +466,53 @@ def test_without_a_bridge_experts_are_named_as_the_checkpoint_stores_them(
     experts = [t for t in handler.lora_targets if t.scope is TargetScope.EXPERT]
     assert [(t.megatron, t.hf) for t in experts] == [("linear_fc1", ("w1", "w3")), ("linear_fc2", ("w2",))]
     assert missing_targets(handler, stored_names(build_meta_model(load_config(locate(str(config_path)))))) == []
+
+
+def test_a_handler_that_would_not_load_is_not_written(tmp_path: Path):
+    """Layers declared Gated DeltaNet in a model whose bridge maps no GDN projection: the declaration the config
+    gives is written nowhere, and the error names why it does not load."""
+    config = json.loads(QWEN2_CONFIG.read_text())
+    config["layer_types"] = ["mamba"] * config["num_hidden_layers"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    context = template_context(
+        str(path), name="hybrid", options=LayoutOptions(layer_kinds={"mamba": "linear_attention"})
+    )
+    out = tmp_path / "out"
+    with pytest.raises(NewHandlerError, match=r"^the handler it would write does not load \(.*SpecError: .*GDN"):
+        generate(context, out)
+    assert not out.exists()
+
+
+def test_a_bridge_that_needs_a_missing_package_is_named_as_such(monkeypatch: pytest.MonkeyPatch):
+    """megatron-bridge installed, the family's bridge importing a package this machine lacks (Nemotron-H's needs
+    mamba_ssm): the error names that package, not model-support's megatron extra."""
+    from model_support.core.megatron import builder
+    from model_support.plugins.bridge_targets import BridgeTargetsError
+    from model_support.plugins.new_handler import bridge_layout
+
+    def lacks_mamba(_config: Any) -> Any:
+        raise ModuleNotFoundError("No module named 'mamba_ssm'", name="mamba_ssm")
+
+    monkeypatch.setattr(builder, "family_bridge", lacks_mamba)
+    config = SimpleNamespace(architectures=["NemotronHForCausalLM"])
+    with pytest.raises(BridgeTargetsError) as error:
+        bridge_layout(config)
+    assert str(error.value) == (
+        "megatron-bridge's bridge for NemotronHForCausalLM does not import here (No module named 'mamba_ssm'): "
+        "install mamba_ssm to read the Megatron model it builds"
+    )
+
+
+def test_one_run_names_everything_the_config_leaves_open(tmp_path: Path):
+    """A layer kind model-support does not know and two expert counts: both questions in one line, each with the
+    option that settles it; answering both goes through."""
+    config = _variant(tmp_path, MIXTRAL, layer_types=["chunked_attention"] * 32, n_routed_experts=16)
+    message = _refusal(config, name="chunky")
+    assert "cannot read the layer layout (2 things the config leaves open: (1) the config's layer_types has " in message
+    assert "pass --layer-kind chunked_attention=full_attention (or =linear_attention)" in message
+    assert "; (2) the config sets num_local_experts=8, n_routed_experts=16: which is the expert count? " in message
+    assert message.endswith("pass --experts-field NAME)") and "\n" not in message
+    options = LayoutOptions(layer_kinds={"chunked_attention": "full_attention"}, experts="num_local_experts")
+    fields = template_context(str(config), name="chunky", options=options)["_config_fields"]
+    assert '"chunked_attention": "full_attention"' in fields
