@@ -89,12 +89,18 @@ def bridge_linears(config: Any, layout: ModelLayout, checkpoint: Any = None) -> 
     Raises :class:`~model_support.core.megatron.imports.MegatronUnavailableError` without megatron-bridge and
     :class:`~model_support.core.megatron.builder.MegatronBuildError` where it has no bridge for the architecture.
     """
+    bridge, mappings = _bridge_mappings(config, checkpoint)
+    return bridge, mapped_linears(mappings, layout)
+
+
+def _bridge_mappings(config: Any, checkpoint: Any = None) -> tuple[str, list[Any]]:
+    """(the bridge's class name, its parameter mappings) for ``config``'s family (see :func:`bridge_linears`)."""
     from model_support.core.megatron.builder import family_bridge, mapping_registry
     from model_support.core.megatron.state_source import hf_pretrained
 
     model_bridge, tcfg = family_bridge(config)
     model_bridge.hf_pretrained = hf_pretrained(tcfg, checkpoint)
-    return type(model_bridge).__name__, mapped_linears(mapping_registry(model_bridge).mappings, layout)
+    return type(model_bridge).__name__, list(mapping_registry(model_bridge).mappings)
 
 
 def router_modules(mappings: Iterable[Any]) -> tuple[str, ...]:
@@ -109,9 +115,4 @@ def router_modules(mappings: Iterable[Any]) -> tuple[str, ...]:
 
 def bridge_routers(config: Any) -> tuple[str, ...]:
     """:func:`router_modules` of ``config``'s family bridge (the same errors as :func:`bridge_linears`)."""
-    from model_support.core.megatron.builder import family_bridge, mapping_registry
-    from model_support.core.megatron.state_source import hf_pretrained
-
-    model_bridge, tcfg = family_bridge(config)
-    model_bridge.hf_pretrained = hf_pretrained(tcfg, None)
-    return router_modules(mapping_registry(model_bridge).mappings)
+    return router_modules(_bridge_mappings(config)[1])

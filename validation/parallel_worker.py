@@ -201,24 +201,9 @@ def _base_logprobs(model: api.TrainingModel, sequences: list[list[int]]) -> list
 
 def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, timeout: timedelta | None = None) -> None:
     """One run of the job (``token``: a layout, in fp32 or with ``.bf16`` in bf16; see :func:`parse_run`)."""
-    name, dtype = parse_run(token)
-    # fp32 runs are held to fixed tolerances: every layout on eager arithmetic (see eager_only); bf16 runs compile
-    # as a trainer's do.
-    with eager_only(dtype == torch.float32):
-        _run_layout(out_dir, model_dir, handler_name, name, token, dtype, timeout)
-
-
-def _run_layout(
-    out_dir: Path,
-    model_dir: Path,
-    handler_name: str,
-    name: str,
-    token: str,
-    dtype: torch.dtype,
-    timeout: timedelta | None,
-) -> None:
     from megatron.core import parallel_state
 
+    name, dtype = parse_run(token)
     layout = _layout(name)
     handler = load_registry().get(handler_name)
     model = api.build_model(model_dir, handler=handler, parallel=layout, dtype=dtype, timeout=timeout)
@@ -234,9 +219,11 @@ def _run_layout(
     shared = {}
     if layout.context_parallel == 1:  # a packed row under context parallelism needs THD attention
         # One row per micro-batch (the interleaved schedule needs as many micro-batches as pipeline ranks).
-        rows = RowLayout.shared_prefix(*SHARED_ROW)
-        tokens = torch.randint(0, 500, (MICRO_BATCHES, rows.length), generator=torch.Generator().manual_seed(SEED + 3))
-        positions = rows.position_ids().expand(MICRO_BATCHES, -1)
+        shared_row = RowLayout.shared_prefix(*SHARED_ROW)
+        tokens = torch.randint(
+            0, 500, (MICRO_BATCHES, shared_row.length), generator=torch.Generator().manual_seed(SEED + 3)
+        )
+        positions = shared_row.position_ids().expand(MICRO_BATCHES, -1)
         out = api.forward_backward(
             model,
             tokens,
@@ -329,7 +316,11 @@ def run(args: argparse.Namespace) -> None:
             stack.enter_context(injected(args.mutation))
         for name in args.layouts.split(","):
             try:
-                run_layout(args.out_dir, args.model_dir, args.handler, name, timedelta(seconds=args.collective_timeout))
+                # fp32 runs are held to fixed tolerances: every layout on eager arithmetic (see eager_only); bf16
+                # runs compile as a trainer's do.
+                with eager_only(parse_run(name)[1] == torch.float32):
+                    timeout = timedelta(seconds=args.collective_timeout)
+                    run_layout(args.out_dir, args.model_dir, args.handler, name, timeout)
             except Exception as exc:  # reported, then the job ends
                 _fail(args.out_dir, name, exc)
 
