@@ -607,18 +607,19 @@ def _moe_blocks(
     model: torch.nn.Module, routers: tuple[str, ...] | None = None
 ) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
     """(name, router, experts) of each MoE block in layer order: a module with an ``experts`` child and a router
-    child, the module at one of the ``routers`` paths (the bridge's mapping: a plain linear ``gate`` included), or
-    without them one whose class name contains "Router"."""
+    child, the child named as the last part of one of the ``routers`` paths (the bridge's mapping: a plain linear
+    ``gate`` included; only the name counts, as a checkpoint's block may load into a module named otherwise, e.g.
+    Mixtral's ``block_sparse_moe`` into transformers' ``mlp``), or without them one whose class name contains
+    "Router"."""
+    leaves = None if routers is None else {path.rsplit(".", 1)[-1] for path in routers}
     blocks = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if routers is None:
-            router = next((m for m in module.children() if "Router" in type(m).__name__), None)
+        children = module.named_children()
+        if leaves is None:
+            router = next((m for _, m in children if "Router" in type(m).__name__), None)
         else:
-            paths = {f"{name}.{leaf}" if name else leaf: child for leaf, child in module.named_children()}
-            router = next(
-                (child for full, child in paths.items() for path in routers if f".{full}".endswith(f".{path}")), None
-            )
+            router = next((m for leaf, m in children if leaf in leaves), None)
         if isinstance(experts, torch.nn.Module) and router is not None:
             blocks.append((name, router, experts))
     return blocks

@@ -1,6 +1,6 @@
 """The reference finds each MoE block's router where megatron-bridge maps megatron-core's router from, not by its
-class name: a family whose router is a plain linear ``gate`` (DeepSeek-V2's in transformers) is routed and replayed
-too."""
+class name: a family whose router is a plain linear ``gate`` (DeepSeek-V2's in transformers, Mixtral's) is routed and
+replayed too."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def test_the_router_is_where_the_bridge_maps_it_from(tiny_model_dir) -> None:
     blocks = hf_reference._moe_blocks(model, routers)
     assert [name for name, _, _ in blocks] == [f"model.layers.{i}.mlp" for i in range(layers)]
     assert [len(hf_reference._moe_blocks(layer, routers)) for layer in model.model.layers] == [1] * layers
+    # A checkpoint's block that loads into a module named otherwise (Mixtral's block_sparse_moe into transformers'
+    # mlp): the router is the block's child of the mapped name.
+    assert len(hf_reference._moe_blocks(model, ("block_sparse_moe.gate",))) == layers
+    assert hf_reference._moe_blocks(model, ("block_sparse_moe.router",)) == []
     # Its routing is recorded and replayed: the model's own top-k given back leaves the logits as they were.
     tokens = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
     captures: list[hf_reference.RouterCapture] = []
