@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random replicas of each built-in handler's reference architecture."""
+"""Shared fixtures: tiny random replicas of each built-in handler's reference architecture; how the suite is spread
+over pytest-xdist's workers (the README's ``-n 2 --dist loadgroup``)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,26 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return built[handler]
 
     return build
+
+
+# Session fixtures too costly to build on every pytest-xdist worker: the tests that share one run on one worker.
+SHARED_ON_ONE_WORKER = {"qwen3_server": "qwen3-server", "megatron_report": "megatron-report"}
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test that shares a costly session resource (None: any worker may run it)."""
+    if "default_check" in item.fixturenames:  # one `check --tiny` per plugin, shared by that plugin's tests
+        params = getattr(item, "callspec", None)
+        plugin = params.params["plugin"] if params and "plugin" in params.params else item.module.PLUGIN
+        return f"check-{Path(plugin).name}"
+    return next((group for name, group in SHARED_ON_ONE_WORKER.items() if name in item.fixturenames), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests first (a stable sort), so that the workers, handed tests in this order, end together rather than
+    one starting a long test as the other runs out; a test sharing a costly session resource grouped by it."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

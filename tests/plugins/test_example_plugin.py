@@ -10,12 +10,12 @@ import pytest
 from tests.helpers import run_cli, run_plugin_tests, within_thresholds
 from tests.megatron.conftest import MEGATRON_STAGES
 
-LLAMA_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-llama"
+PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-llama"
 
 
 @pytest.fixture(scope="module")
 def site(default_check) -> Path:
-    return default_check(LLAMA_PLUGIN).site
+    return default_check(PLUGIN).site
 
 
 def test_llama_is_listed_from_its_own_distribution(site: Path):
@@ -30,7 +30,7 @@ def test_llama_is_listed_from_its_own_distribution(site: Path):
 
 @pytest.mark.slow
 def test_check_tiny_on_llama_passes_every_stage(default_check):
-    check = default_check(LLAMA_PLUGIN)
+    check = default_check(PLUGIN)
     assert check.returncode == 0, check.output
     assert check.report["handler"] == "llama" and check.report["handler_origin"] == "model-support-llama 0.1.0"
     results = check.results
@@ -49,7 +49,7 @@ def test_check_tiny_on_llama_passes_every_stage(default_check):
 
 
 def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(LLAMA_PLUGIN)
+    check = default_check(PLUGIN)
     result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout
