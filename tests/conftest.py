@@ -44,6 +44,7 @@ SHARED_ON_ONE_WORKER = {"qwen3_server": "qwen3-server", "megatron_report": "mega
 def _worker_group(item: pytest.Item) -> str | None:
     """The xdist group of a test that shares a costly session resource (None: any worker may run it)."""
     if "default_check" in item.fixturenames:  # one `check --tiny` per plugin, shared by that plugin's tests
+        # (a parameter `plugin`, or the test module's PLUGIN: the plugin's directory)
         params = getattr(item, "callspec", None)
         plugin = params.params["plugin"] if params and "plugin" in params.params else item.module.PLUGIN
         return f"check-{Path(plugin).name}"

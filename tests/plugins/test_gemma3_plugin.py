@@ -15,7 +15,7 @@ from tests.megatron.conftest import require_megatron
 
 pytestmark = pytest.mark.slow
 
-GEMMA3_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-gemma3"
+PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-gemma3"
 STAGES = (
     "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "lora_gradients", "packed_position_ids",
     "shared_prefix", "trainability",
@@ -26,13 +26,13 @@ STAGES = (
 
 @pytest.fixture(scope="module")
 def site(default_check) -> Path:
-    return default_check(GEMMA3_PLUGIN).site
+    return default_check(PLUGIN).site
 
 
 @pytest.fixture(scope="module")
 def check(default_check) -> tuple[dict[str, Any], Path]:
     """(the JSON report of the default ``check gemma3 --tiny``, the tiny model it built)."""
-    result = default_check(GEMMA3_PLUGIN)
+    result = default_check(PLUGIN)
     assert result.returncode == 0, result.output
     (model_dir,) = result.workdir.glob("*/tiny-model")
     return result.report, model_dir
@@ -64,7 +64,7 @@ def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Pa
 
 
 def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(GEMMA3_PLUGIN)
+    check = default_check(PLUGIN)
     result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout

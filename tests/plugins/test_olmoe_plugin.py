@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import MEGATRON_STAGES, run_plugin_tests, within_thresholds
 
 pytestmark = pytest.mark.slow
-OLMOE_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
+PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-olmoe"
 SERVING_STAGES = ("native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch")
 
 
@@ -17,7 +17,7 @@ def test_check_tiny_on_olmoe(default_check):
     from model_support.core.serving.backend import get_backend
     from model_support.validation.serving_session import CPU_MOE_LORA_GAP
 
-    check = default_check(OLMOE_PLUGIN)
+    check = default_check(PLUGIN)
     assert check.returncode == 0, check.output
     report = check.report
     assert report["handler"] == "olmoe" and report["handler_origin"] == "model-support-olmoe 0.1.0"
@@ -54,7 +54,7 @@ def test_check_tiny_on_olmoe(default_check):
 
 
 def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(OLMOE_PLUGIN)
+    check = default_check(PLUGIN)
     result = run_plugin_tests(check.source, check.site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "7 passed" in result.stdout
