@@ -85,11 +85,14 @@ def test_docs_check_names_a_stale_page(tmp_path: Path):
     assert stale.stderr.strip() == f"stale: {tmp_path / 'stages.md'}; run `model-support docs --out {tmp_path}`"
 
 
-def test_the_guide_quotes_the_qwen3_5_handler_verbatim():
-    source = {line.strip() for line in (ROOT / "handlers" / "qwen3_5.py").read_text().splitlines()}
+def test_the_guide_quotes_the_code_it_names_verbatim():
+    """Every Python block of the guide headed by a file's path (``# handlers/qwen3_5.py``, a plugin's module) quotes
+    lines that file has."""
     guide = (DOCS / "adding-a-model.md").read_text()
-    blocks = re.findall(r"```python\n# handlers/qwen3_5\.py\n(.*?)```", guide, flags=re.S)
-    assert len(blocks) >= 8
-    quoted = [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
-    missing = [line for line in quoted if line not in source]
-    assert not missing, f"docs/adding-a-model.md quotes lines that handlers/qwen3_5.py no longer has: {missing}"
+    blocks = re.findall(r"```python\n# ((?:handlers|plugins)/\S+\.py)\n(.*?)```", guide, flags=re.S)
+    assert sum(path == "handlers/qwen3_5.py" for path, _ in blocks) >= 8
+    missing = []
+    for path, block in blocks:
+        source = {line.strip() for line in (ROOT / path).read_text().splitlines()}
+        missing += [f"{path}: {line.strip()}" for line in block.splitlines() if line.strip() and line.strip() not in source]
+    assert not missing, f"docs/adding-a-model.md quotes lines its files no longer have: {missing}"
