@@ -53,11 +53,23 @@ def _worker_group(item: pytest.Item) -> str | None:
     return next((group for name, group in SHARED_ON_ONE_WORKER.items() if name in item.fixturenames), None)
 
 
+# The files of the suite's longest tests (`pytest --durations`: 2 to 10 minutes each on 2 cores), started first.
+LONGEST = ("tests/test_selftest.py", "tests/plugins/test_", "tests/serving/test_stages.py")
+
+
+def _start_order(item: pytest.Item) -> tuple[int, bool]:
+    """(which of :data:`LONGEST` the test's file is, in that order, else after them; whether it is not slow)."""
+    slow = item.get_closest_marker("slow") is not None
+    longest = [i for i, prefix in enumerate(LONGEST) if slow and item.nodeid.startswith(prefix)]
+    return (longest[0] if longest else len(LONGEST)), not slow
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow tests first (a stable sort), so that the workers, handed tests in this order, end together rather than
-    one starting a long test as the other runs out. Under pytest-xdist a worker writes each grouped test's group
-    (:func:`_worker_group`) where the controller's scheduler reads it."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first, then the other slow ones (a stable sort: :func:`_start_order`), so that the workers,
+    handed tests in this order, end together rather than one starting a long test as the other runs out. Under
+    pytest-xdist a worker writes each grouped test's group (:func:`_worker_group`) where the controller's scheduler
+    reads it."""
+    items.sort(key=_start_order)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and GROUPS_FILE in workerinput:
         groups = {item.nodeid: group for item in items if (group := _worker_group(item)) is not None}
@@ -83,9 +95,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class SharedResourceScheduling(LoadScopeScheduling):
         """pytest-xdist's scope scheduling with a test's scope its group where it has one, else the test itself:
-        the tests sharing a costly resource run on one worker, the others one at a time on any."""
+        the tests sharing a costly resource run on one worker, the others one at a time on any, in the order
+        collected (:func:`_start_order`; not xdist's largest scope first)."""
 
         groups: dict[str, str] | None = None
+
+        def __init__(self, config: pytest.Config, log: Any) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # read once the workers have collected (scheduling starts after that)
