@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random replicas of each built-in handler's reference architecture; how the suite is spread
-over pytest-xdist's workers (the README's ``-n 2 --dist loadgroup``)."""
+over pytest-xdist's workers (the README's ``-n 2``)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ LONGEST = ("tests/test_selftest.py", "tests/plugins/test_", "tests/serving/test_
 def _start_order(item: pytest.Item) -> tuple[int, bool]:
     """(which of :data:`LONGEST` the test's file is, in that order, else after them; whether it is not slow)."""
     slow = item.get_closest_marker("slow") is not None
-    longest = [i for i, prefix in enumerate(LONGEST) if slow and item.nodeid.startswith(prefix)]
-    return (longest[0] if longest else len(LONGEST)), not slow
+    longest = next((i for i, prefix in enumerate(LONGEST) if slow and item.nodeid.startswith(prefix)), len(LONGEST))
+    return longest, not slow
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
