@@ -1,7 +1,7 @@
 """Push time and peak extra disk and memory of one weight push into a live vLLM server, per transport.
 
     python benchmarks/weight_push.py [--config qwen3-0.6b.json] [--dtype bfloat16] [--bucket-mib 128] [--out DIR]
-        [--transports files,stream,collective] [--trainer-device cuda --server-gpus 1] [--layers N]
+        [--transports files,stream,collective,ipc] [--trainer-device cuda --server-gpus 1] [--layers N]
 
 Builds a random replica at the config's real width (all layers), starts one vLLM server on it (the streamed
 transport enabled), and pushes the checkpoint's own tensors in buckets (read from its files: the trainer's resident
@@ -9,11 +9,13 @@ memory includes the pages read, alike for both), first through the file system
 (``ServeOptions.weight_transfer="files"``: the step written as a checkpoint, reloaded from disk), then streamed
 (vLLM's weight-transfer routes with the project's local engine, buckets through ``/dev/shm``), ``--repeat`` times
 each, then (``collective``) broadcast over a process group with the server's worker (gloo on the CPU build, NCCL
-between GPUs). A sampling thread records the peak bytes under the staging directory (disk) and under ``/dev/shm``
-(memory), the peak resident memory of this process (the trainer's side) and of the server's processes, and each
-GPU's used memory (``nvidia-smi``), above what they held before the push. With ``--trainer-device cuda`` the
-buckets are on this process's GPU before the push starts (as a live model's merged weights are) and the server runs
-on ``--server-gpus``: the trainer's GPU to the server's. One machine, one run: compare the ratios, not the seconds.
+between GPUs), and (``ipc``, a server on the trainer's own GPU: ``--trainer-device cuda`` without
+``--server-gpus``) handed over as CUDA IPC handles of the trainer's GPU memory. A sampling thread records the peak
+bytes under the staging directory (disk) and under ``/dev/shm`` (memory), the peak resident memory of this process (the
+trainer's side) and of the server's processes, and each GPU's used memory (``nvidia-smi``), above what they held before
+the push. With ``--trainer-device cuda`` the buckets are on this process's GPU before the push starts (as a live model's
+merged weights are) and the server runs on ``--server-gpus``: the trainer's GPU to the server's. One machine, one run:
+compare the ratios, not the seconds.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def main() -> None:
             "files": WeightUpdater(server, staging, model_dir, transport="files").update,
             "stream": server.update_weights,
             "collective": WeightUpdater(server, staging, model_dir, transport="collective", backend=backend).update,
+            "ipc": WeightUpdater(server, staging, model_dir, transport="ipc", backend=backend).update,
         }
         rows = []
         for transport in transports * args.repeat:

@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+# How ``Server.update_weights`` reaches the served model (core/serving/update.py).
+TRANSPORTS = ("stream", "collective", "ipc", "files")
+
 # vllm serve flags the server's handle depends on (serve() sets them); extra_args may not name them.
 _OWNED_FLAGS = frozenset(
     {"--model", "--served-model-name", "--host", "--port", "--middleware", "--api-key", "--uds", "--root-path"}
@@ -29,10 +32,11 @@ class ServeOptions:
     arguments, passed on as they are, after the ones above. ``weight_transfer``: how ``Server.update_weights`` reaches
     the model: "stream" (vLLM's weight-transfer interface with the project's local engine: buckets streamed through
     memory, applied after the last), "collective" (the same interface, each bucket broadcast from the trainer's device
-    to the server's: NCCL GPU to GPU, gloo on the CPU build) or "files" (each step written as a checkpoint and reloaded
-    from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0, the server on ``"1"``), its
-    ``CUDA_VISIBLE_DEVICES``. ``enable_sleep_mode``: ``Server.sleep`` / ``wake_up`` can give the server's GPU memory to
-    a trainer on the same GPU and take it back (vLLM's sleep mode, GPUs only).
+    to the server's: NCCL GPU to GPU, gloo on the CPU build), "ipc" (the same interface for a server on the trainer's
+    own GPU: each bucket handed over as a CUDA IPC handle of trainer memory) or "files" (each step written as a
+    checkpoint and reloaded from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0, the server on
+    ``"1"``), its ``CUDA_VISIBLE_DEVICES``. ``enable_sleep_mode``: ``Server.sleep`` / ``wake_up`` can give the
+    server's GPU memory to a trainer on the same GPU and take it back (vLLM's sleep mode, GPUs only).
     """
 
     dtype: str = "auto"
@@ -89,11 +93,12 @@ class ServeOptions:
             args.append("--language-model-only")
         if self.enable_sleep_mode:
             args.append("--enable-sleep-mode")
-        if self.weight_transfer not in ("stream", "collective", "files"):
-            raise ValueError(f"weight_transfer must be 'stream', 'collective' or 'files', not {self.weight_transfer!r}")
+        if self.weight_transfer not in TRANSPORTS:
+            choices = ", ".join(repr(t) for t in TRANSPORTS)
+            raise ValueError(f"weight_transfer must be one of {choices}, not {self.weight_transfer!r}")
         if self.weight_transfer != "files":
-            # The engine (both transports) is registered by the worker extension's module, imported in the worker
-            # before it is built.
+            # The engine (every other transport's) is registered by the worker extension's module, imported in the
+            # worker before it is built.
             args += ["--weight-transfer-config", json.dumps({"backend": "model_support_local"})]
         # Every transport's reload runs through the extension (ms_weights._reload_in_place).
         args += ["--worker-extension-cls", "ms_weights.WorkerExtension"]

@@ -8,7 +8,7 @@ cache is recomputed with the new weights when they resume: vLLM's ``reset_prefix
 the weight version and the served name advance, and generation resumes. Requests in flight keep going; every
 token they sample carries the version of the weights that sampled it (:meth:`VllmServer.generate`).
 
-Three transports, chosen by ``ServeOptions.weight_transfer``:
+Four transports, chosen by ``ServeOptions.weight_transfer``:
 
 - ``"stream"``: vLLM's weight-transfer routes (``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``) with the project's local engine (``vllm_ext/ms_weights.py``): every tensor's name,
@@ -22,6 +22,9 @@ Three transports, chosen by ``ServeOptions.weight_transfer``:
   NCCL where the server runs on a GPU (the trainer's current device sends), over gloo on the CPU build. The worker
   holds the step on its device until the last bucket, then applies it all or nothing. A step that fails closes the
   group; the next step opens a new one.
+- ``"ipc"``: the same routes and engine, for a server on the trainer's own GPU (ART's shared-GPU mode): each
+  bucket's tensors are packed into one byte buffer on the trainer's GPU and the worker opens it through a CUDA IPC
+  handle and copies it into its own memory before ``/update_weights`` returns; no byte leaves the GPU.
 - ``"files"``: each bucket is written to the step's staging checkpoint, published atomically and loaded by the
   worker's ``reload_weights`` (``/collective_rpc``); the previous step's checkpoint is removed once the new one is
   loaded, so the disk holds one step at a time.
@@ -29,6 +32,7 @@ Three transports, chosen by ``ServeOptions.weight_transfer``:
 
 from __future__ import annotations
 
+import base64
 import os
 import queue
 import shutil
@@ -45,6 +49,7 @@ from model_support.core.checkpoint import stored_tensors
 from model_support.core.outputs import hold, release, sweep
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.export import write_checkpoint
+from model_support.core.serving.options import TRANSPORTS
 from model_support.core.serving.process import free_port
 from model_support.core.serving.vllm_features import VllmFeatures
 
@@ -60,7 +65,6 @@ IN_FLIGHT = 2  # buckets written and not yet taken by the server
 COLLECTIVE_TIMEOUT_S = 300.0
 # The key prefix of the weight group in the trainer's store (vllm_ext/ms_weights.py joins under the same one).
 STORE_PREFIX = "model_support_weights"
-TRANSPORTS = ("stream", "collective", "files")
 SHM_MARGIN = 64 * 1024**2  # left free in /dev/shm for whoever else uses it
 
 
@@ -107,6 +111,32 @@ class UpdatableServer(Protocol):
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
+
+
+def pack(bucket: Mapping[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[list[Any]]]:
+    """A bucket's tensors as one byte buffer on ``device``, and the header (name, dtype, shape of each, in order) the
+    worker reads them back with (``ms_weights.unpack``)."""
+    packed = torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for t in bucket.values()])
+    return packed, [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in bucket.items()]
+
+
+def ipc_handle(packed: torch.Tensor) -> dict[str, Any]:
+    """The CUDA IPC handle of ``packed`` (a byte buffer on a GPU) as JSON: torch's own export
+    (``reduce_tensor``), its fields named, byte strings in base64; no pickle crosses the HTTP route."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(packed)
+    (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, counter, counter_offset,
+     event, event_sync) = args  # fmt: skip
+
+    def text(raw: bytes | None) -> str | None:
+        return None if raw is None else base64.b64encode(raw).decode()
+
+    return {
+        "gpu": str(torch.cuda.get_device_properties(device).uuid), "size": list(size), "stride": list(stride),
+        "offset": offset, "handle": text(handle), "storage_bytes": storage_bytes, "storage_offset": storage_offset,
+        "counter": text(counter), "counter_offset": counter_offset, "event": text(event), "event_sync": event_sync,
+    }  # fmt: skip
 
 
 def _broadcast_root() -> Any:
@@ -169,9 +199,7 @@ class WeightGroup:
     def send(self, server: UpdatableServer, bucket: Mapping[str, torch.Tensor], last: bool) -> None:
         """One bucket: its tensors packed into one byte buffer on the group's device, broadcast while
         ``/update_weights`` tells the workers what it holds (both wait for each other: neither is sent alone)."""
-        flat = [t.detach().to(self.device).contiguous().view(-1).view(torch.uint8) for t in bucket.values()]
-        packed = torch.cat(flat)
-        header = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in bucket.items()]
+        packed, header = pack(bucket, self.device)
         update = {"update_info": {"bucket": header, "nbytes": packed.numel(), "is_last": last}}
         failures: list[BaseException] = []
         sending = threading.Thread(target=self._broadcast, args=(packed, failures), daemon=True)
@@ -224,6 +252,8 @@ class WeightUpdater:
             self._stream(buckets)
         elif self.transport == "collective":
             self._collective(buckets)
+        elif self.transport == "ipc":
+            self._ipc(buckets)
         else:
             self._files(buckets)
         return self.server.served_name
@@ -422,23 +452,60 @@ class WeightUpdater:
         self.expected()  # the served checkpoint's tensors, read before the step starts
         if self._group is None:
             self._group = WeightGroup(self.server, self.workers, self.backend, COLLECTIVE_TIMEOUT_S)
-        group, applied = self._group, False
+        group = self._group
+        try:
+            self._send_step(buckets, lambda bucket, last: group.send(self.server, bucket, last))
+        except BaseException:
+            self._group = None  # a broadcast may have been left half-way: the next step opens a new group
+            raise
+
+    def _send_step(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], send: Callable[[Mapping[str, torch.Tensor], bool], None]
+    ) -> None:
+        """Announce the step, hand each bucket to ``send`` (the last inside the swap); a step that does not reach its
+        swap is aborted on the server."""
+        applied = False
         self.server.request("/start_weight_update", {})
         try:
             self._announce()
             for bucket, last in self._announced(buckets):
                 if not last:
-                    group.send(self.server, bucket, False)
+                    send(bucket, False)
                     continue
                 self._swap(
-                    lambda bucket=bucket: group.send(self.server, bucket, True),
+                    lambda bucket=bucket: send(bucket, True),
                     lambda version: self.server.request("/finish_weight_update", self._version_body(version)),
                 )
                 applied = True
         finally:
             if not applied:
-                self._group = None  # a broadcast may have been left half-way: the next step opens a new group
                 self._abort()
+
+    # ------------------------------------------------------------------ ipc
+    def _ipc(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> None:
+        if self.backend != "nccl" or not torch.cuda.is_available():
+            raise ServingError(
+                "weight_transfer='ipc' hands buckets over through CUDA IPC: it needs the server and this process on "
+                "one GPU; push with 'stream' (or 'collective' from another device)"
+            )
+        if self.workers != 1:
+            raise ServingError(
+                f"weight_transfer='ipc' serves a one-GPU server on the trainer's GPU, this one runs on {self.workers}; "
+                "push with 'collective'"
+            )
+        self.expected()  # the served checkpoint's tensors, read before the step starts
+        device = torch.device("cuda", torch.cuda.current_device())
+
+        def send(bucket: Mapping[str, torch.Tensor], last: bool) -> None:
+            packed, header = pack(bucket, device)
+            torch.cuda.synchronize(device)  # the worker reads the buffer on its own stream
+            update = {"bucket": header, "nbytes": packed.numel(), "ipc": ipc_handle(packed), "is_last": last}
+            self.server.request("/update_weights", {"update_info": update})  # returns once the worker holds a copy
+
+        try:
+            self._send_step(buckets, send)
+        finally:
+            torch.cuda.ipc_collect()  # frees the buffers the worker has released
 
     def _abort(self) -> None:
         """End a step that will not be applied (the worker drops what it received); a worker that already failed the

@@ -41,7 +41,8 @@ def test_options_become_vllm_arguments() -> None:
     assert "--enforce-eager" in defaults
     assert "--enable-lora" not in defaults and "--gpu-memory-utilization" not in defaults
     assert defaults[defaults.index("--weight-transfer-config") + 1] == '{"backend": "model_support_local"}'
-    with pytest.raises(ValueError, match="weight_transfer must be 'stream', 'collective' or 'files', not 'nccl'"):
+    choices = "'stream', 'collective', 'ipc', 'files'"
+    with pytest.raises(ValueError, match=f"weight_transfer must be one of {choices}, not 'nccl'"):
         ServeOptions(weight_transfer="nccl").vllm_args()
 
 

@@ -4,9 +4,10 @@ Registers ``model_support_local``, a weight-transfer engine written to vLLM's in
 (``vllm.distributed.weight_transfer.base.WeightTransferEngine``; the server runs with
 ``--weight-transfer-config '{"backend": "model_support_local"}'``) and driven through vLLM's own routes:
 ``/start_weight_update``, ``/update_weights`` once per message, ``/finish_weight_update``. A bucket comes either as
-a local file (the trainer and the server on one machine) or as one broadcast from the trainer (rank 0) to every
+a local file (the trainer and the server on one machine), as one broadcast from the trainer (rank 0) to every
 worker of the server, over NCCL between GPUs (gloo on the CPU build), in a process group the trainer opens once
-with ``/init_weight_transfer_engine`` (``{"host", "port", "world_size", "rank_offset", "backend", "timeout_s"}``).
+with ``/init_weight_transfer_engine`` (``{"host", "port", "world_size", "rank_offset", "backend", "timeout_s"}``),
+or as a CUDA IPC handle of a buffer on the trainer's GPU when the server shares it.
 The group is built on torch's process groups, not vLLM's own NCCL engine: that one needs vLLM in the trainer's
 process too, which this project keeps vLLM out of.
 
@@ -17,8 +18,10 @@ One step is, in order:
 2. per bucket, ``{"path": "<file>.safetensors", "is_last": bool}`` (the trainer wrote the bucket to a local file,
    in ``/dev/shm`` where there is one; the worker reads it and deletes it) or ``{"bucket": [[name, dtype, shape],
    ...], "nbytes": N, "is_last": bool}`` (the worker receives the bucket's N bytes, its tensors packed in that
-   order, from the trainer's broadcast, then reads them out); the worker keeps each tensor after checking it
-   against the announcement (a broadcast bucket on the worker's device: the whole step, until the last bucket);
+   order, from the trainer's broadcast, then reads them out), the same with ``"ipc": {...}`` (the bytes are a
+   buffer on the trainer's GPU, opened through its CUDA IPC handle and copied before the message is answered);
+   the worker keeps each tensor after checking it against the announcement (a broadcast or IPC bucket on the
+   worker's device: the whole step, until the last bucket);
 3. on ``is_last`` (every announced tensor received, nothing else) the whole step is loaded in place by the steps
    of vLLM's own ``reload_weights`` (:func:`_reload_in_place`, which the file-system transport's
    ``model_support_reload_weights`` runs too); before that nothing of the step reaches the model, so a failed step
@@ -28,6 +31,7 @@ One step is, in order:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import os
@@ -64,6 +68,7 @@ class LocalUpdateInfo(WeightTransferUpdateInfo):
     path: str | None = None
     bucket: list[list[Any]] | None = None
     nbytes: int = 0
+    ipc: dict[str, Any] | None = None
     is_last: bool = False
     abort: bool = False
 
@@ -153,23 +158,41 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
                     os.unlink(update_info.path)
         if update_info.bucket is None:
             raise ValueError("a weight bucket message needs 'path', or 'bucket' and 'nbytes'")
+        if update_info.ipc is not None:
+            return unpack(self._opened(update_info.ipc, int(update_info.nbytes)), update_info.bucket)
         if self._group is None:
             raise ValueError("a broadcast bucket arrived before /init_weight_transfer_engine opened the weight group")
         packed = torch.empty(int(update_info.nbytes), dtype=torch.uint8, device=self.device)
         self._group.broadcast([packed], _broadcast_root()).wait()
-        tensors, offset = {}, 0
-        for name, dtype, shape in update_info.bucket:
-            kind = getattr(torch, str(dtype), None)
-            if not isinstance(kind, torch.dtype):
-                raise ValueError(f"tensor {name!r} has no torch dtype {dtype!r}")
-            count = int(torch.Size(shape).numel()) * torch.empty((), dtype=kind).element_size()
-            if offset + count > packed.numel():
-                raise ValueError(f"a bucket of {packed.numel()} bytes ends inside {name!r}")
-            tensors[str(name)] = packed[offset : offset + count].view(kind).reshape(shape)
-            offset += count
-        if offset != packed.numel():
-            raise ValueError(f"a bucket of {packed.numel()} bytes has {packed.numel() - offset} bytes past its tensors")
-        return tensors
+        return unpack(packed, update_info.bucket)
+
+    def _opened(self, ipc: dict[str, Any], nbytes: int) -> torch.Tensor:
+        """A copy, on this worker's device, of the trainer's byte buffer that ``ipc`` (``update.ipc_handle``) names."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if self.device.type != "cuda":
+            raise ValueError("an IPC bucket came to a worker without a GPU; push with weight_transfer='stream'")
+        here = str(torch.cuda.get_device_properties(self.device).uuid)
+        if ipc.get("gpu") != here:
+            raise ValueError(
+                f"the trainer's bucket is on GPU {ipc.get('gpu')}, this worker on {here}: CUDA IPC hands over memory "
+                "of one GPU; push with weight_transfer='collective'"
+            )
+
+        def raw(key: str) -> bytes | None:
+            return None if ipc.get(key) is None else base64.b64decode(ipc[key])
+
+        shared = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(ipc["size"]), tuple(ipc["stride"]), int(ipc["offset"]), torch.TypedStorage,
+            torch.uint8, self.device.index, raw("handle"), int(ipc["storage_bytes"]), int(ipc["storage_offset"]),
+            False, raw("counter"), int(ipc["counter_offset"]), raw("event"), bool(ipc["event_sync"]),
+        )  # fmt: skip
+        if shared.numel() != nbytes:
+            raise ValueError(f"the IPC buffer holds {shared.numel()} bytes, the message announces {nbytes}")
+        copy = shared.clone()
+        torch.cuda.synchronize(self.device)  # the copy is complete before the trainer may free its buffer
+        del shared  # releases the trainer's buffer (its IPC reference count)
+        return copy
 
     @staticmethod
     def _take(step: _Step, tensors: dict[str, torch.Tensor]) -> None:
@@ -201,6 +224,23 @@ class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateI
     def shutdown(self) -> None:
         self._step = None
         self._group = None
+
+
+def unpack(packed: torch.Tensor, header: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """The tensors of a packed bucket (``update.pack``: each tensor's bytes in ``header``'s order), as views of it."""
+    tensors, offset = {}, 0
+    for name, dtype, shape in header:
+        kind = getattr(torch, str(dtype), None)
+        if not isinstance(kind, torch.dtype):
+            raise ValueError(f"tensor {name!r} has no torch dtype {dtype!r}")
+        count = int(torch.Size(shape).numel()) * torch.empty((), dtype=kind).element_size()
+        if offset + count > packed.numel():
+            raise ValueError(f"a bucket of {packed.numel()} bytes ends inside {name!r}")
+        tensors[str(name)] = packed[offset : offset + count].view(kind).reshape(shape)
+        offset += count
+    if offset != packed.numel():
+        raise ValueError(f"a bucket of {packed.numel()} bytes has {packed.numel() - offset} bytes past its tensors")
+    return tensors
 
 
 def _reload_in_place(vllm_config: Any, model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
