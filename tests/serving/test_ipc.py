@@ -31,10 +31,10 @@ def _served(server) -> torch.Tensor:
     )
 
 
-def test_ipc_from_a_process_without_the_servers_gpu_is_refused_before_anything_is_sent(qwen3_server, tiny_model_dir):
-    server, base = qwen3_server, tiny_model_dir("qwen3")
-    if server.on_gpu:
+def test_ipc_to_a_server_without_a_gpu_is_refused_before_anything_is_sent(runtime, request, tiny_model_dir):
+    if runtime.flavor != "cpu":
         pytest.skip("the refusal of a server without a GPU (the CPU build)")
+    server, base = request.getfixturevalue("qwen3_server"), tiny_model_dir("qwen3")
     name, before = server.served_name, _served(server)
     updater = WeightUpdater(server, base, base, transport="ipc", backend="gloo")
     with pytest.raises(ServingError, match=r"^weight_transfer='ipc' hands buckets over through CUDA IPC: it needs"):
