@@ -447,6 +447,20 @@ def lora_disabled(model: TrainingModel) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def lora_merged(model: TrainingModel) -> Iterator[None]:
+    """Inside, the model computes with each LoRA update merged into its base weight in the base's dtype, as
+    :func:`merged_weights` pushes it: the policy a server holds after a merged push, which a bf16 base serves with
+    part of a small update rounded away (``rl_trainability`` reports how much). The base weights are kept in host
+    memory meanwhile and come back on exit; the adapter is untouched. Every rank enters it around the same calls;
+    forward only."""
+    from model_support.core.megatron.lora import lora_merged as merged
+
+    _require_lora(model)
+    with merged(model.chunks):
+        yield
+
+
 def lora_grad_norm(model: TrainingModel) -> float:
     """The L2 norm of every LoRA gradient of the whole model, the same on every rank, after
     :func:`reduce_lora_grads`: each distinct element counted once across tensor, pipeline, expert, context and data

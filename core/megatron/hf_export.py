@@ -17,7 +17,7 @@ import torch
 from model_support.core.checkpoint import stored_tensors
 from model_support.core.errors import ModelSupportError
 from model_support.core.megatron.builder import MegatronModel, mapping_name, mapping_registry
-from model_support.core.megatron.lora import LoraLinear
+from model_support.core.megatron.lora import LoraLinear, merged_weight
 from model_support.core.megatron.names import global_name
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -46,8 +46,7 @@ def _local_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, t
         lora = wrapped[prefix]
         shard = param.detach()
         if inner == ["weight"]:
-            delta = lora.lora_B.weight.detach().float() @ lora.lora_A.weight.detach().float()
-            shard = (shard.float() + lora.scale * delta).to(shard.dtype)
+            shard = merged_weight(lora, shard)
         yield ".".join([prefix, *inner]), shard, lora.base.get_submodule(".".join(inner[:-1]))
 
 

@@ -400,6 +400,34 @@ def lora_disabled(model: Chunks) -> Iterator[None]:
             module.enabled = True
 
 
+def merged_weight(module: LoraLinear, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (this rank's shard of ``module``'s base weight) with the module's update merged in, rounded to the
+    weight's dtype: what a merged export or push holds."""
+    delta = module.lora_B.weight.detach().float() @ module.lora_A.weight.detach().float()
+    return (weight.detach().float() + module.scale * delta).to(weight.dtype)
+
+
+@contextmanager
+def lora_merged(model: Chunks) -> Iterator[None]:
+    """Every LoRA module of ``model`` computes with its update merged into its base weight (:func:`merged_weight`,
+    in the base's dtype) and the adapter off: the policy a merged push serves. The base weights are kept in host
+    memory meanwhile and put back on exit; every rank enters it around the same calls."""
+    kept: list[tuple[LoraLinear, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for module in lora_modules(model).values():
+                weight = module.base.weight
+                kept.append((module, weight.detach().to("cpu", copy=True)))
+                weight.copy_(merged_weight(module, weight))
+                module.enabled = False
+        yield
+    finally:
+        with torch.no_grad():
+            for module, saved in kept:
+                module.base.weight.copy_(saved)
+                module.enabled = True
+
+
 def counted_grads(model: Chunks) -> list[torch.Tensor]:
     """This rank's LoRA gradients that a norm over the whole model counts here, so that every distinct element is
     counted on exactly one rank: a sharded factor (B of a column-parallel linear, A of a row-parallel one) on each

@@ -7,7 +7,10 @@ ART's: 0.5 for yes, 0.75 for no, 1.0 for maybe. Each step:
 1. the run's server (holding the current policy, ``<handler>@N``) samples ``group`` answers per prompt;
 2. the Megatron model scores the same prompts in one packed forward (``api.token_logprobs``), and every sampled
    token's server log-probability is compared with the trainer's (same weights): mean / max |delta|, k3 KL,
-   and the KL over the server's top-k tokens. A push that put weights in the wrong place shows here;
+   and the KL over the server's top-k tokens. A push that put weights in the wrong place shows here. In merged
+   mode the trainer's side is the policy it pushed (``api.lora_merged``: the update merged into the base's
+   dtype, as ``api.merged_weights`` sends it): a bf16 base rounds away part of a small update, measured apart
+   (``merge_rounding_abs_delta_mean``, the pushed policy against the trainer's base + fp32 LoRA);
 3. a policy-gradient LoRA step with group-relative advantages (reward minus its group's mean, over the
    group's standard deviation) on the log-probability of the answer among the allowed tokens;
 4. the policy is pushed: in "lora" mode the adapter is hot-swapped (``api.push_adapter``: ``<handler>-lora@N+1``
@@ -71,6 +74,9 @@ class _Run:
     names: list[str] = field(default_factory=list)
     stale_tokens: int | None = 0  # None: not measured (the server's vLLM reports no per-token weight versions)
     listed: list[str] = field(default_factory=list)
+    # Merged mode: the largest per-step mean |log p| by which merging the update into the base's dtype moved the
+    # sampled tokens (the pushed policy against the trainer's base + fp32 LoRA).
+    merge_rounding: float = 0.0
 
 
 def _not_advanced(names: list[str]) -> int:
@@ -172,6 +178,9 @@ class RlTrainabilityStage(Stage):
             "serving_dtype": server.options.dtype,
             "peak_lr": lr,
         }
+        merged = next((run for run in runs if run.mode == "merged"), None)
+        if merged is not None:
+            metrics["merge_rounding_abs_delta_mean"] = merged.merge_rounding
         limits = mismatch_tolerance(server.options.dtype)
         thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
         details = ["serving dtype {}: {}".format(*session.serving_dtype(ctx))]
@@ -192,6 +201,12 @@ class RlTrainabilityStage(Stage):
                 f"{'?' if run.stale_tokens is None else run.stale_tokens} sampled token(s) from other weights than the "
                 "last pushed",
             ]
+        if merged is not None:
+            details.append(
+                "merged: the server is held to the policy it was pushed (the update merged into the base's dtype); "
+                f"that policy is {merged.merge_rounding:.2e} (mean |delta logprob| of the sampled tokens, worst step) "
+                "from the trainer's base + fp32 LoRA: the part of the update the merge rounds away"
+            )
         details.append(f"trainer: {model.describe()}; AdamW lr {lr:.3g}, gradient norm clipped to {self.clip_norm}")
         if changed:
             details.append(f"base weights changed: {', '.join(changed[:4])}")
@@ -253,12 +268,19 @@ class RlTrainabilityStage(Stage):
                         )
                     else:  # a vLLM before 0.32 reports no per-token weight versions
                         run.stale_tokens = None
+                if mode == "merged":  # the policy the push served: the update merged, rounded to the base's dtype
+                    with api.lora_merged(model), torch.no_grad():
+                        pushed = torch.stack([rows[-1] for rows in api.token_logprobs(model, prompt_ids)])
                 with torch.enable_grad():
                     last = torch.stack([rows[-1] for rows in api.token_logprobs(model, prompt_ids)])
                 tokens = torch.tensor([[c["token_ids"][0] for c in group] for group in samples])
                 first = [[c["logprobs"]["content"][0] for c in group] for group in samples]
                 served = torch.tensor([[f["logprob"] for f in group] for group in first], dtype=torch.float64)
                 ours = last.detach().double().cpu()
+                if mode == "merged":
+                    trained, ours = ours, pushed.double().cpu()
+                    rounded = (ours - trained).gather(1, tokens).abs()
+                    run.merge_rounding = max(run.merge_rounding, rounded.mean().item())
                 record = mismatch((served - ours.gather(1, tokens)).flatten())
                 record["topk_kl_mean"] = (
                     sum(
