@@ -139,6 +139,30 @@ def test_lora_disabled_scores_the_base_model_and_leaves_the_adapter(qwen35):
     assert (tuned - base).abs().max().item() > 1e-3  # the adapter does change the model
 
 
+def test_lora_merged_scores_the_pushed_policy_and_puts_the_base_back(qwen35):
+    """Inside ``api.lora_merged`` each update is merged into its base weight in the base's dtype (fp32 here: the
+    same policy as base + LoRA up to rounding) and the adapter is off; on exit the base weights are bitwise what
+    they were and the adapter computes again."""
+    from model_support.core.megatron.lora import lora_modules
+
+    state = random_lora_state(qwen35.module, seed=9, b_std=0.05)
+    load_lora_state(qwen35.module, state)
+    rows = [[5, 9, 33, 71, 2, 8, 40, 41]]
+    weights = {name: m.base.weight.detach().clone() for name, m in lora_modules(qwen35.module).items()}
+    with torch.no_grad():
+        tuned = api.token_logprobs(qwen35, rows)[0]
+        with api.lora_merged(qwen35):
+            merged = api.token_logprobs(qwen35, rows)[0]
+            moved = [n for n, m in lora_modules(qwen35.module).items() if not torch.equal(m.base.weight, weights[n])]
+            with api.lora_disabled(qwen35):
+                base_with_merge = api.token_logprobs(qwen35, rows)[0]
+        after = api.token_logprobs(qwen35, rows)[0]
+    assert len(moved) == len(weights)  # every wrapped linear held its merged weight inside
+    assert all(torch.equal(m.base.weight, weights[n]) for n, m in lora_modules(qwen35.module).items())
+    assert (merged - tuned).abs().max().item() < 1e-5 and torch.equal(after, tuned)
+    assert torch.equal(base_with_merge, merged)  # the adapter was off: the merged weights alone
+
+
 def test_lora_grad_norm_and_clipping_on_one_rank_are_torch_s(qwen35):
     """On one rank the whole model's LoRA gradient norm is torch's over every LoRA gradient, and clipping scales
     them as ``torch.nn.utils.clip_grad_norm_`` would (across ranks: parallel_parity's ``grad_norm_rel_err``)."""
