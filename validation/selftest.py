@@ -16,7 +16,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -577,8 +577,6 @@ def _fresh_adapter_not_identity() -> AbstractContextManager[Any]:
 def _lora_dropout_in_train_mode() -> AbstractContextManager[Any]:
     """A Dropout(p=0.1) on the LoRA branch's input, active in train mode (one rank: the branch is linear there, so
     adding ``scale * B(A(dropout(x) - x))`` is the branch run on ``dropout(x)``)."""
-    from contextlib import ExitStack
-
     from model_support.core.megatron.lora import LoraLinear
 
     init, forward = LoraLinear.__init__, LoraLinear.forward
@@ -746,6 +744,20 @@ def _export_merged_unscaled() -> AbstractContextManager[Any]:
     return mock.patch.object(export, "_merged", merged)
 
 
+def _live_merge_unscaled() -> AbstractContextManager[Any]:
+    """The live model's merge (what a push sends, and ``api.lora_merged``'s policy) adds B A without alpha / r."""
+    from model_support.core.megatron import hf_export, lora
+
+    def merged(module: Any, weight: torch.Tensor) -> torch.Tensor:
+        delta = module.lora_B.weight.detach().float() @ module.lora_A.weight.detach().float()
+        return (weight.detach().float() + delta).to(weight.dtype)
+
+    stack = ExitStack()
+    for where in (hf_export, lora):
+        stack.enter_context(mock.patch.object(where, "merged_weight", merged))
+    return stack
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("gate-up-swapped", "codec reads Megatron's fused fc1 as [up; gate]", "qwen3", "lora_coverage",
              _gate_up_swapped),
@@ -854,6 +866,10 @@ MUTATIONS: tuple[Mutation, ...] = (
              "trained at alpha / r), on an MoE model", "qwen3-moe", "lora_coverage", _adapter_config_rslora),
     Mutation("export-merged-unscaled", "export_merged adds the adapter's B A without its alpha / r", "qwen3",
              "merged_serving", _export_merged_unscaled, needs_server=True),
+    # rl_trainability's merged mode compares the server with api.lora_merged, which shares this merge: the adapter's
+    # own export (export.py's merge) and the fp32 reference are what disagree.
+    Mutation("live-merge-unscaled", "the live model's merge (pushes, api.lora_merged) adds B A without alpha / r",
+             "qwen3", "merged_serving", _live_merge_unscaled, needs_server=True),
     Mutation("lora-input-detached", "the LoRA branch takes x.detach(): no gradient through it into earlier layers",
              "qwen3", "lora_gradients", _lora_input_detached),
     Mutation("lora-b-grad-unscaled", "LoRA B's gradient misses the alpha / r scale (the forward is right)", "qwen3",
