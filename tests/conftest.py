@@ -14,6 +14,24 @@ from tests.helpers import pip_install_target, run_cli
 __all__ = ["pip_install_target", "run_cli"]
 
 HANDLER_NAMES = [h.name for h in BUILTIN_HANDLERS]
+EXHAUSTIVE_SKIP = "the exhaustive tier: run with pytest --exhaustive (README, Tests)"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the tests marked exhaustive: every plugin family's parallel layouts and serving stages, the "
+        "whole selftest catalogue (hours on 2 CPU cores; CI runs the first tier only)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--exhaustive"):
+        return
+    for item in items:
+        if item.get_closest_marker("exhaustive") is not None:
+            item.add_marker(pytest.mark.skip(reason=EXHAUSTIVE_SKIP))
 
 
 @pytest.fixture(scope="session")

@@ -9,17 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-# The Megatron stages a plugin family's `check --tiny` must pass, in run order.
-MEGATRON_STAGES = (
-    "hf_parity",
-    "lora_coverage",
-    "lora_gradients",
-    "packed_position_ids",
-    "shared_prefix",
-    "trainability",
-    "parallel_parity",
-)
-
 
 def pip_install_target(package_dir: Path, target: Path) -> Path:
     """Really pip-install a package (no deps, no network) into ``target``; return ``target``.

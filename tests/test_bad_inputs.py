@@ -300,8 +300,8 @@ def test_a_model_without_tokenizer_fails_serving_and_keeps_the_log(tiny_model_di
 def test_workdir_is_reusable_and_runs_never_share_files(tmp_path: Path) -> None:
 
     work = tmp_path / "w"
-    first = run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work))
-    second = run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work))
+    first = run_cli("check", "qwen3", "--tiny", "-s", "dependencies", "--workdir", str(work))
+    second = run_cli("check", "qwen3", "--tiny", "-s", "dependencies", "--workdir", str(work))
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     runs = sorted(work.glob("model-support-run-*"))
     assert len(runs) == 2 and all((r / "tiny-model" / "config.json").is_file() for r in runs)
@@ -312,7 +312,7 @@ def test_workdir_is_reusable_and_runs_never_share_files(tmp_path: Path) -> None:
     (crashed / ".owner-lock").write_text("1\n")
     live = work / "model-support-run-20260101-000000-2-y"
     with held_by_another_process(live):
-        assert run_cli("check", "qwen3", "--tiny", "-s", "architecture", "--workdir", str(work)).returncode == 0
+        assert run_cli("check", "qwen3", "--tiny", "-s", "dependencies", "--workdir", str(work)).returncode == 0
         assert not crashed.exists()
         assert live.exists()
     assert len(list(work.glob("model-support-run-*"))) == 4

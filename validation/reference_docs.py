@@ -326,8 +326,9 @@ def _selftest_section() -> list[str]:
         "",
         inspect.getdoc(selftest) or "",
         "",
-        "`model-support selftest [--mutation NAME] [--markdown FILE]` runs them; the tests run the whole",
-        "catalogue (`tests/test_selftest.py`). The outcomes of the last full run, with what each failing stage",
+        "`model-support selftest [--mutation NAME] [--markdown FILE]` runs them; the tests (`tests/test_selftest.py`)",
+        "run one bug of each stage, and the whole catalogue in their exhaustive tier (`pytest --exhaustive`).",
+        "The outcomes of the last full run, with what each failing stage",
         "reported: [selftest-results.md](selftest-results.md).",
         "",
     ]

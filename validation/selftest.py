@@ -5,8 +5,8 @@ project at run time (``unittest.mock.patch``: the code under test is the real on
 ``check --tiny --stage S --alone`` of one built-in handler: the stage S that must catch it, without its
 prerequisites (under the parallel layout the bug lives in, where it names one), and records whether S failed. The
 same stages, unpatched, must pass the same way: a clean run is part of the selftest.
-Mutations that need a vLLM server skip where no runtime is installed. CI runs the selftest, so a stage that stops
-being able to fail breaks CI.
+Mutations that need a vLLM server skip where no runtime is installed. CI runs one bug of each stage, so a stage
+that stops being able to fail breaks CI; the tests' exhaustive tier (``pytest --exhaustive``) runs the whole catalogue.
 """
 
 from __future__ import annotations

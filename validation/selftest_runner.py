@@ -50,9 +50,14 @@ def _stage_result(
 
 
 def run_selftest(
-    workdir: Path, names: Sequence[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None
+    workdir: Path,
+    names: Sequence[str] | None = None,
+    on_outcome: Callable[[Outcome], None] | None = None,
+    *,
+    clean_runs: bool = True,
 ) -> list[Outcome]:
-    """Clean runs, then every selected mutation (all when ``names`` is empty), in catalogue order."""
+    """Clean runs (unless ``clean_runs`` is false: a caller that has seen those stages pass clean elsewhere), then
+    every selected mutation (all when ``names`` is empty), in catalogue order."""
     from model_support.validation.serving_session import backend
 
     chosen = [m for m in selftest.MUTATIONS if not names or m.name in names]
@@ -73,7 +78,7 @@ def run_selftest(
     # e.g. the random adapter where no lora_coverage ran), under every layout they run in (the default where one
     # names none).
     clean: dict[tuple[str, str, str | None, str | None], tuple[str, ...] | None] = {}
-    for m in chosen:
+    for m in chosen if clean_runs else ():
         if not (m.needs_server and no_server):
             key = (m.handler, m.stage, m.dtype, m.parallel)
             before = clean.get(key, ())

@@ -36,9 +36,18 @@ PLUGINS = Path(__file__).parents[2] / "plugins"
 SHIPPED = tuple(sorted(PLUGINS.glob("model-support-*")))
 
 
+# What the first tier checks of every shipped plugin: the stages of one process without a server (the family's Megatron
+# model against transformers, its LoRA, packing and training). parallel_parity's ranks and the serving stages' vLLM
+# server, about two thirds of a default check's time on 2 CPU cores, run in the exhaustive tier's whole check.
+ONE_PROCESS_STAGES = (
+    "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "lora_gradients", "packed_position_ids",
+    "shared_prefix", "trainability",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PluginCheck:
-    """One ``model-support check <plugin> --tiny`` (default stages and layouts) of an installed plugin copy."""
+    """One ``model-support check <plugin> --tiny`` (default layouts) of an installed plugin copy."""
 
     source: Path  # the installed copy of the plugin's source tree
     site: Path  # where pip installed it
@@ -53,20 +62,37 @@ class PluginCheck:
 
 
 @pytest.fixture(scope="session")
-def default_check(install_copy, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], PluginCheck]:
-    """``default_check(plugin_dir)``: the plugin's default ``check --tiny``, run once per session and shared by the
-    test that every shipped plugin passes it and the plugin's own tests of its numbers."""
+def installed_plugin(install_copy) -> Callable[[Path], tuple[Path, Path]]:
+    """``installed_plugin(plugin_dir)`` -> (source, site): the plugin's copy, pip-installed once per session."""
+    done: dict[Path, tuple[Path, Path]] = {}
+
+    def install(plugin_dir: Path) -> tuple[Path, Path]:
+        if plugin_dir not in done:
+            done[plugin_dir] = install_copy(plugin_dir)
+        return done[plugin_dir]
+
+    return install
+
+
+def _checks(
+    installed_plugin: Callable[[Path], tuple[Path, Path]],
+    tmp_path_factory: pytest.TempPathFactory,
+    stages: tuple[str, ...],
+) -> Callable[[Path], PluginCheck]:
+    """``check(plugin_dir)``: the plugin's ``check --tiny`` of ``stages`` (and their prerequisites; none named: the
+    default stages), run once per session and shared by the tests that read it."""
     done: dict[Path, PluginCheck] = {}
 
     def check(plugin_dir: Path) -> PluginCheck:
         if plugin_dir not in done:
-            source, site = install_copy(plugin_dir)
+            source, site = installed_plugin(plugin_dir)
             # A shipped plugin registers one handler, under its entry-point name.
             entry_points = tomllib.loads((plugin_dir / "pyproject.toml").read_text())["project"]["entry-points"]
             (handler,) = entry_points["model_support"]
             workdir = tmp_path_factory.mktemp(f"{handler}-check")
             report_path = workdir / "report.json"
-            args = ("check", handler, "--tiny", "--workdir", str(workdir), "--json", str(report_path))
+            selected = [arg for stage in stages for arg in ("-s", stage)]
+            args = ("check", handler, "--tiny", *selected, "--workdir", str(workdir), "--json", str(report_path))
             result = run_cli(*args, site=site)
             report = json.loads(report_path.read_text()) if report_path.exists() else {"results": []}
             done[plugin_dir] = PluginCheck(
@@ -75,3 +101,16 @@ def default_check(install_copy, tmp_path_factory: pytest.TempPathFactory) -> Cal
         return done[plugin_dir]
 
     return check
+
+
+@pytest.fixture(scope="session")
+def one_process_check(installed_plugin, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], PluginCheck]:
+    """``one_process_check(plugin_dir)``: the plugin's ``check --tiny`` of :data:`ONE_PROCESS_STAGES` (first tier)."""
+    return _checks(installed_plugin, tmp_path_factory, ONE_PROCESS_STAGES)
+
+
+@pytest.fixture(scope="session")
+def default_check(installed_plugin, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], PluginCheck]:
+    """``default_check(plugin_dir)``: the plugin's whole default ``check --tiny``, every stage and default layout
+    (for the exhaustive tier's tests)."""
+    return _checks(installed_plugin, tmp_path_factory, ())

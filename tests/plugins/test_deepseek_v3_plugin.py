@@ -1,5 +1,6 @@
 """The DeepSeek-V3 plugin (plugins/model-support-deepseek-v3), installed the way a user installs it: every stage of
-`check deepseek-v3 --tiny`, its own tests, and a wrong declaration failing."""
+`check deepseek-v3 --tiny` (the parallel and serving ones in the exhaustive tier), its own tests, and a wrong
+declaration failing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import MEGATRON_STAGES, run_cli, run_plugin_tests, within_thresholds
+from tests.helpers import run_cli, run_plugin_tests, within_thresholds
+from tests.plugins.conftest import ONE_PROCESS_STAGES
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +27,15 @@ SERVING_STAGES = (
 NO_MLA_LORA = "merged-only: vLLM applies no LoRA to MLA's kv_b_proj"
 
 
-def test_check_tiny_on_deepseek_v3_runs_every_stage(default_check):
-    from model_support.validation.serving_session import backend
-
-    check = default_check(PLUGIN)
+def test_check_tiny_on_deepseek_v3_passes_every_stage_of_one_process(one_process_check):
+    check = one_process_check(PLUGIN)
     assert check.returncode == 0, check.output
     report = check.report
     assert report["handler"] == "deepseek-v3" and report["handler_origin"] == "model-support-deepseek-v3 0.1.0"
-    results = {r["stage"]: r for r in report["results"]}
-    assert list(results) == ["dependencies", "architecture", "weights", *MEGATRON_STAGES, *SERVING_STAGES]
-    for stage in ("dependencies", "architecture", "weights"):
-        assert results[stage]["status"] == "pass", results[stage]
+    results = check.results
+    assert list(results) == list(ONE_PROCESS_STAGES)
+    for verdict in results.values():
+        assert verdict["status"] == "pass" and within_thresholds(verdict), verdict
     assert results["architecture"]["metrics"] == {
         "layers": 2,
         "gdn_layers": 0,
@@ -43,23 +43,27 @@ def test_check_tiny_on_deepseek_v3_runs_every_stage(default_check):
         "experts": 4,
         "lora_targets": 8,
     }
-    for stage in MEGATRON_STAGES:
-        verdict = results[stage]
-        if verdict["status"] == "skip" and "is not installed" in verdict["summary"]:
-            continue  # no megatron extra here
-        assert verdict["status"] == "pass" and within_thresholds(verdict), verdict
-    if results["hf_parity"]["status"] == "pass":
-        parity = results["hf_parity"]["metrics"]
-        # One MoE layer after the dense one, its routing agreed token for token; MTP not built (runtime policy).
-        assert (parity["router_layers"], parity["router_flips"], parity["mtp_layers_built"]) == (1, 0, 0)
-        assert parity["rel_l2"] < 1e-5
-        assert results["lora_coverage"]["metrics"]["peft_tensors"] == 56
-        # Expert (and expert tensor), pipeline and context parallel are checked (multi-latent attention under context
-        # parallelism included); tensor parallel is refused by the handler, and the stage says why.
-        parity = results["parallel_parity"]
-        assert parity["summary"].startswith("5/5 layouts (ep2, etp2, pp2, cp2, ep2-pp2)"), parity["summary"]
-        assert any("tp2-sp: not checked, the handler refuses it (tensor parallel: megatron-core 0.19.2" in d
-                   for d in parity["details"])  # fmt: skip
+    parity = results["hf_parity"]["metrics"]
+    # One MoE layer after the dense one, its routing agreed token for token; MTP not built (runtime policy).
+    assert (parity["router_layers"], parity["router_flips"], parity["mtp_layers_built"]) == (1, 0, 0)
+    assert parity["rel_l2"] < 1e-5
+    assert results["lora_coverage"]["metrics"]["peft_tensors"] == 56
+
+
+@pytest.mark.exhaustive
+def test_the_whole_check_on_deepseek_v3_splits_and_serves_it(default_check):
+    from model_support.validation.serving_session import backend
+
+    check = default_check(PLUGIN)
+    assert check.returncode == 0, check.output
+    results = check.results
+    assert list(results) == [*ONE_PROCESS_STAGES, "parallel_parity", *SERVING_STAGES]
+    # Expert (and expert tensor), pipeline and context parallel are checked (multi-latent attention under context
+    # parallelism included); tensor parallel is refused by the handler, and the stage says why.
+    parity = results["parallel_parity"]
+    assert parity["summary"].startswith("5/5 layouts (ep2, etp2, pp2, cp2, ep2-pp2)"), parity["summary"]
+    assert any("tp2-sp: not checked, the handler refuses it (tensor parallel: megatron-core 0.19.2" in d
+               for d in parity["details"])  # fmt: skip
 
     unavailable = backend().unavailable_reason()
     if unavailable is not None:
@@ -99,8 +103,7 @@ def test_declaring_standard_attention_targets_fails_architecture(tmp_path: Path,
     assert "k_proj" in architecture["summary"] and "v_proj" in architecture["summary"]
 
 
-def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(PLUGIN)
-    result = run_plugin_tests(check.source, check.site)
+def test_the_plugins_own_tests_pass(installed_plugin):
+    result = run_plugin_tests(*installed_plugin(PLUGIN))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout  # two tests + the stage test for architecture and its prerequisite

@@ -14,8 +14,8 @@ PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-llama"
 
 
 @pytest.fixture(scope="module")
-def site(default_check) -> Path:
-    return default_check(PLUGIN).site
+def site(installed_plugin) -> Path:
+    return installed_plugin(PLUGIN)[1]
 
 
 def test_llama_is_listed_from_its_own_distribution(site: Path):
@@ -29,8 +29,8 @@ def test_llama_is_listed_from_its_own_distribution(site: Path):
 
 
 @pytest.mark.slow
-def test_check_tiny_on_llama_passes_every_stage(default_check):
-    check = default_check(PLUGIN)
+def test_check_tiny_on_llama_passes_every_stage_of_one_process(one_process_check):
+    check = one_process_check(PLUGIN)
     assert check.returncode == 0, check.output
     assert check.report["handler"] == "llama" and check.report["handler_origin"] == "model-support-llama 0.1.0"
     results = check.results
@@ -43,13 +43,18 @@ def test_check_tiny_on_llama_passes_every_stage(default_check):
     }
     for stage in MEGATRON_STAGES:
         assert results[stage]["status"] == "pass" and within_thresholds(results[stage]), results[stage]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_the_whole_check_on_llama_splits_every_default_layout(default_check):
+    results = default_check(PLUGIN).results
     # No q/k norm: the local spec keeps megatron-core's identity placeholders under tensor + sequence parallelism.
     summary = results["parallel_parity"]["summary"]
     assert summary.startswith("5/5 layouts (tp2, tp2-sp, pp2, cp2, tp2-pp2)"), summary
 
 
-def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(PLUGIN)
-    result = run_plugin_tests(check.source, check.site)
+def test_the_plugins_own_tests_pass(installed_plugin):
+    result = run_plugin_tests(*installed_plugin(PLUGIN))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout

@@ -1,5 +1,6 @@
-"""The Gemma 3 plugin (plugins/model-support-gemma3), installed the way a user installs it: the whole
-``check gemma3 --tiny``, its own tests, and declarations that get the family wrong failing."""
+"""The Gemma 3 plugin (plugins/model-support-gemma3), installed the way a user installs it: ``check gemma3 --tiny``
+(its stages of one process; the whole check in tests/plugins/test_shipped_plugins.py's exhaustive tier), its own
+tests, and declarations that get the family wrong failing."""
 
 from __future__ import annotations
 
@@ -12,37 +13,32 @@ import pytest
 
 from tests.helpers import run_plugin_tests
 from tests.megatron.conftest import require_megatron
+from tests.plugins.conftest import ONE_PROCESS_STAGES
 
 pytestmark = pytest.mark.slow
 
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-gemma3"
-STAGES = (
-    "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "lora_gradients", "packed_position_ids",
-    "shared_prefix", "trainability",
-    "parallel_parity", "native_vllm_lora", "merged_serving", "chat_template_rollout", "train_inference_mismatch",
-    "staleness_boundary", "rl_trainability",
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def site(default_check) -> Path:
-    return default_check(PLUGIN).site
+def site(installed_plugin) -> Path:
+    return installed_plugin(PLUGIN)[1]
 
 
 @pytest.fixture(scope="module")
-def check(default_check) -> tuple[dict[str, Any], Path]:
-    """(the JSON report of the default ``check gemma3 --tiny``, the tiny model it built)."""
-    result = default_check(PLUGIN)
+def check(one_process_check) -> tuple[dict[str, Any], Path]:
+    """(the JSON report of ``check gemma3 --tiny`` over the stages of one process, the tiny model it built)."""
+    result = one_process_check(PLUGIN)
     assert result.returncode == 0, result.output
     (model_dir,) = result.workdir.glob("*/tiny-model")
     return result.report, model_dir
 
 
-def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Path]):
+def test_check_tiny_on_gemma3_passes_every_stage_of_one_process(check: tuple[dict[str, Any], Path]):
     report, model_dir = check
     assert report["handler"] == "gemma3" and report["handler_origin"] == "model-support-gemma3 0.1.0"
     results = {r["stage"]: r for r in report["results"]}
-    assert list(results) == list(STAGES)
+    assert list(results) == list(ONE_PROCESS_STAGES)
     for stage, verdict in results.items():
         assert verdict["status"] == "pass", verdict
         for key, limit in verdict["thresholds"].items():
@@ -63,9 +59,8 @@ def test_check_tiny_on_gemma3_passes_every_stage(check: tuple[dict[str, Any], Pa
     assert results["lora_coverage"]["metrics"]["codec_layout_err"] == 0.0
 
 
-def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(PLUGIN)
-    result = run_plugin_tests(check.source, check.site)
+def test_the_plugins_own_tests_pass(installed_plugin):
+    result = run_plugin_tests(*installed_plugin(PLUGIN))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout
 

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-glm4-moe"
 
 
-def test_check_tiny_on_glm4_moe(default_check):
-    check = default_check(PLUGIN)
+def test_check_tiny_on_glm4_moe_passes_every_stage_of_one_process(one_process_check):
+    check = one_process_check(PLUGIN)
     assert check.returncode == 0, check.output
     assert check.report["handler_origin"] == "model-support-glm4-moe 0.1.0"
     results = check.results
@@ -27,12 +27,16 @@ def test_check_tiny_on_glm4_moe(default_check):
     assert parity["max_abs_err"] < 1e-5 and parity["router_flips"] == 0 and parity["mtp_layers_built"] == 0
     coverage = results["lora_coverage"]["metrics"]
     assert coverage["codec_layout_err"] == 0 and coverage["peft_tensors"] == 52
+
+
+@pytest.mark.exhaustive
+def test_the_whole_check_on_glm4_moe_splits_every_default_layout(default_check):
+    results = default_check(PLUGIN).results
     summary = results["parallel_parity"]["summary"]
     assert summary.startswith("7/7 layouts (ep2, etp2, tp2-sp, pp2, cp2, tp2-sp-ep2, ep2-pp2)"), summary
 
 
-def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(PLUGIN)
-    result = run_plugin_tests(check.source, check.site)
+def test_the_plugins_own_tests_pass(installed_plugin):
+    result = run_plugin_tests(*installed_plugin(PLUGIN))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed" in result.stdout  # four tests + the stage test for architecture and its prerequisite

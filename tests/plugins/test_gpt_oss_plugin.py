@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-gpt-oss"
 
 
-def test_check_tiny_on_gpt_oss(default_check):
-    check = default_check(PLUGIN)
+def test_check_tiny_on_gpt_oss_passes_every_stage_of_one_process(one_process_check):
+    check = one_process_check(PLUGIN)
     assert check.returncode == 0, check.output
     results = check.results
     assert results["architecture"]["metrics"]["experts"] == 4
@@ -30,13 +30,18 @@ def test_check_tiny_on_gpt_oss(default_check):
     assert coverage["codec_layout_err"] == 0 and coverage["roundtrip_mismatches"] == 0
     gradients = results["lora_gradients"]["metrics"]
     assert gradients["long_grad_worst_factor_rel_err"] < 1e-4
+
+
+@pytest.mark.exhaustive
+def test_the_whole_check_on_gpt_oss_splits_every_default_layout(default_check):
+    results = default_check(PLUGIN).results
     # megatron-core refuses expert biases under expert tensor parallelism: the handler says so, the stage names it.
     parity = results["parallel_parity"]
     assert parity["summary"].startswith("6/6 layouts"), parity["summary"]
     assert any("etp2: not checked, the handler refuses it" in d for d in parity["details"])
 
 
-def test_peft_reads_the_exported_adapter_as_the_reference_merges_it(default_check):
+def test_peft_reads_the_exported_adapter_as_the_reference_merges_it(one_process_check):
     """The adapter a trainer exports is PEFT's own layout: PEFT loads it onto transformers' gpt-oss and its merge
     equals the merge the reference computes (attention and stacked experts)."""
     from peft import PeftModel
@@ -44,7 +49,7 @@ def test_peft_reads_the_exported_adapter_as_the_reference_merges_it(default_chec
 
     from model_support.core.megatron.hf_reference import adapter_deltas
 
-    check = default_check(PLUGIN)
+    check = one_process_check(PLUGIN)
     (adapter,) = check.workdir.glob("*/megatron-lora-adapter")
     (model_dir,) = check.workdir.glob("*/tiny-model")
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -60,8 +65,7 @@ def test_peft_reads_the_exported_adapter_as_the_reference_merges_it(default_chec
         torch.testing.assert_close(merged[name] - base[name], delta.on(torch.device("cpu")), rtol=0, atol=1e-6)
 
 
-def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(PLUGIN)
-    result = run_plugin_tests(check.source, check.site)
+def test_the_plugins_own_tests_pass(installed_plugin):
+    result = run_plugin_tests(*installed_plugin(PLUGIN))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "6 passed" in result.stdout  # five tests + the stage test for architecture and its prerequisite

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-mixtral"
 
 
-def test_check_tiny_on_mixtral(default_check):
-    check = default_check(PLUGIN)
+def test_check_tiny_on_mixtral_passes_every_stage_of_one_process(one_process_check):
+    check = one_process_check(PLUGIN)
     assert check.returncode == 0, check.output
     assert check.report["handler_origin"] == "model-support-mixtral 0.1.0"
     results = check.results
@@ -33,12 +33,16 @@ def test_check_tiny_on_mixtral(default_check):
         names = set(f.keys())
     assert "base_model.model.model.layers.1.block_sparse_moe.experts.3.w3.lora_B.weight" in names
     assert not [n for n in names if ".mlp." in n or "gate_up_proj" in n]
+
+
+@pytest.mark.exhaustive
+def test_the_whole_check_on_mixtral_splits_every_default_layout(default_check):
+    results = default_check(PLUGIN).results
     summary = results["parallel_parity"]["summary"]
     assert summary.startswith("7/7 layouts (ep2, etp2, tp2-sp, pp2, cp2, tp2-sp-ep2, ep2-pp2)"), summary
 
 
-def test_the_plugins_own_tests_pass(default_check):
-    check = default_check(PLUGIN)
-    result = run_plugin_tests(check.source, check.site)
+def test_the_plugins_own_tests_pass(installed_plugin):
+    result = run_plugin_tests(*installed_plugin(PLUGIN))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "7 passed" in result.stdout  # six tests + the stage test for architecture and its prerequisite

@@ -1,5 +1,6 @@
-"""Every plugin distribution under plugins/ passes its whole default ``check --tiny``: every stage and every default
-layout passes, or skips because the vLLM on this machine cannot serve the family (vLLM's own reason)."""
+"""Every plugin distribution under plugins/ passes its ``check --tiny``: in the first tier every stage of one process
+without a server; in the exhaustive tier the whole default check, where every stage and every default layout passes,
+or skips because the vLLM on this machine cannot serve the family (vLLM's own reason)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import within_thresholds
-from tests.plugins.conftest import SHIPPED
+from tests.plugins.conftest import ONE_PROCESS_STAGES, SHIPPED
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,20 @@ def test_every_family_of_the_project_ships_as_a_plugin_checked_here():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("plugin", SHIPPED, ids=[p.name.removeprefix("model-support-") for p in SHIPPED])
+IDS = [p.name.removeprefix("model-support-") for p in SHIPPED]
+
+
+@pytest.mark.parametrize("plugin", SHIPPED, ids=IDS)
+def test_every_stage_of_one_process_passes(plugin: Path, one_process_check):
+    check = one_process_check(plugin)
+    assert check.returncode == 0, check.output
+    assert list(check.results) == list(ONE_PROCESS_STAGES)
+    for stage, verdict in check.results.items():
+        assert verdict["status"] == "pass" and within_thresholds(verdict), (stage, verdict)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("plugin", SHIPPED, ids=IDS)
 def test_the_default_check_passes(plugin: Path, default_check):
     check = default_check(plugin)
     assert check.returncode == 0, check.output
