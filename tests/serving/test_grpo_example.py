@@ -21,6 +21,7 @@ STEP = re.compile(
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the first tier runs the API example on two ranks (test_api_example.py)
 def test_the_grpo_example_trains_one_step_behind_its_rollouts_on_two_ranks(runtime, tmp_path):
     """tp2 under torchrun: each step trains on the groups the previous adapter sampled (their tokens say so), the
     gradients are clipped by the whole model's norm, and the good answer gets likelier."""
