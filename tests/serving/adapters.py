@@ -1,4 +1,5 @@
-"""Random PEFT adapters built on the HF side (independent A per module), for the serving tests."""
+"""What the serving tests share: random PEFT adapters built on the HF side (independent A per module), the prompt they
+score and the log-probabilities a server gives it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,23 @@ from pathlib import Path
 import torch
 
 from model_support.core.codecs import save_peft_adapter
+from model_support.core.serving.backend import Server
 from model_support.core.serving.export import base_tensors
+from model_support.handlers import BUILTIN_HANDLERS
 
 LORA_RANK, LORA_ALPHA = 8, 16.0
+PROMPT = [17, 101, 44, 250, 9, 311, 66, 140, 23, 77]
+# The LoRA target modules of the tiny Qwen3 replica the shared server serves.
+TARGETS = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modules
+
+
+def served_logprobs(server: Server, model: str | None = None) -> torch.Tensor:
+    """The log-probability ``server`` (as ``model``: default its served name) gives each token of :data:`PROMPT` after
+    the first."""
+    choice = server.completion(PROMPT, model=model, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    return torch.tensor(
+        [row[str(t)]["logprob"] for row, t in zip(choice["prompt_logprobs"][1:], PROMPT[1:], strict=True)]
+    )
 
 
 def random_adapter(model_dir: Path, target_modules: tuple[str, ...], out_dir: Path, seed: int) -> Path:

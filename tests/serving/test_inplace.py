@@ -16,11 +16,8 @@ from model_support.core.serving.errors import ServerError, ServingError
 from model_support.core.serving.export import base_tensors, buckets, export_merged, merged_tensors, write_checkpoint
 from model_support.core.serving.update import WeightGroup, WeightUpdater, memory_dir
 from model_support.core.serving.vllm_backend import ServeOptions
-from model_support.handlers import BUILTIN_HANDLERS
-from tests.serving.adapters import random_adapter
+from tests.serving.adapters import PROMPT, TARGETS, random_adapter, served_logprobs
 
-PROMPT = [17, 101, 44, 250, 9, 311, 66, 140, 23, 77]
-TARGETS = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modules
 FP32_TOL = 1e-4
 
 
@@ -33,13 +30,6 @@ def _cached_tokens_read(server: Server) -> int:
     start = server.prefix_cache_hits()
     server.completion(CACHED_PROMPT, max_tokens=1, temperature=0.0)
     return server.prefix_cache_hits() - start
-
-
-def _served(server: Server, model: str | None = None) -> torch.Tensor:
-    choice = server.completion(PROMPT, model=model, max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    return torch.tensor(
-        [row[str(t)]["logprob"] for row, t in zip(choice["prompt_logprobs"][1:], PROMPT[1:], strict=True)]
-    )
 
 
 def _reference(model_dir: Path) -> torch.Tensor:
@@ -61,7 +51,7 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
     bucket by bucket over a process group with the server's worker (gloo here, NCCL between GPUs)."""
     server, base = qwen3_server, tiny_model_dir("qwen3")
     pid, start = server.pid, int(server.served_name.rpartition("@")[2])
-    previous = _served(server)
+    previous = served_logprobs(server)
     assert (previous - _reference(base)).abs().max().item() < FP32_TOL
     files = WeightUpdater(server, server.process.log_path.parent / "qwen3-weights", base, transport="files")
     collective = WeightUpdater(server, tmp_path / "unused", base, transport="collective")
@@ -75,7 +65,7 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
             for i, part in enumerate(parts):
                 if i:  # nothing is applied before the last bucket: same name, same outputs
                     assert server.models() == [f"qwen3@{step - 1}"]
-                    assert (_served(server) - previous).abs().max().item() < 1e-6
+                    assert (served_logprobs(server) - previous).abs().max().item() < 1e-6
                 yield part
 
         _cached_tokens_read(server)
@@ -86,7 +76,7 @@ def test_weights_update_in_place_bucket_by_bucket(qwen3_server, tiny_model_dir, 
         assert server.pid == pid and server.process.alive()
         with pytest.raises(ServerError, match=rf"404.*qwen3@{step - 1}.*does not exist"):
             server.completion(PROMPT, model=f"qwen3@{step - 1}", max_tokens=1)
-        now = _served(server)
+        now = served_logprobs(server)
         assert (now - expected).abs().max().item() < FP32_TOL
         assert (now - previous).abs().max().item() > 1e-2
         previous = now
@@ -101,22 +91,23 @@ def test_a_broadcast_bucket_is_checked_by_the_worker_and_a_refused_one_changes_n
     broadcast), then refuses what was not announced as it came; the step is dropped, the next one opens a new
     group and applies."""
     server, base = qwen3_server, tiny_model_dir("qwen3")
-    name, before = server.served_name, _served(server)
+    name, before = server.served_name, served_logprobs(server)
     group = WeightGroup(server, 1, "gloo", 60.0)
     server.request("/start_weight_update", {})
     server.request("/update_weights", {"update_info": {"params": [["model.norm.weight", "float32", [64]]]}})
     with pytest.raises(ServerError, match=r"'model\.norm\.weight' is bfloat16 \[64\], announced float32 \[64\]"):
         group.send(server, {"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}, True)
     assert server.models() == [name]
-    assert (_served(server) - before).abs().max().item() < 1e-6
+    assert (served_logprobs(server) - before).abs().max().item() < 1e-6
     collective = WeightUpdater(server, base, base, transport="collective")
     assert collective.update(buckets(base_tensors(base), max_bytes=200_000)) != name
-    assert (_served(server) - _reference(base)).abs().max().item() < FP32_TOL  # the base weights, under the next name
+    # The base weights, under the next name.
+    assert (served_logprobs(server) - _reference(base)).abs().max().item() < FP32_TOL
 
 
 def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path):
     server = qwen3_server
-    name, before = server.served_name, _served(server)
+    name, before = server.served_name, served_logprobs(server)
     embed = dict(base_tensors(tiny_model_dir("qwen3")))["model.embed_tokens.weight"]
 
     def broken() -> Iterator[dict[str, torch.Tensor]]:
@@ -126,7 +117,7 @@ def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path)
     with pytest.raises(RuntimeError, match="trainer died mid-push"):
         server.update_weights(broken())
     assert server.models() == [name]
-    assert (_served(server) - before).abs().max().item() < 1e-6
+    assert (served_logprobs(server) - before).abs().max().item() < 1e-6
     assert not _pushes_left()
 
     wrong = {"model.embed_tokens.weight": torch.zeros_like(embed, dtype=torch.bfloat16)}
@@ -142,12 +133,12 @@ def test_a_failed_update_changes_nothing(qwen3_server, tiny_model_dir, tmp_path)
         server.request("/update_weights", {"update_info": {"path": str(tmp_path / "stray.safetensors")}})
     assert not (tmp_path / "stray.safetensors").exists()
     assert server.models() == [name]
-    assert (_served(server) - before).abs().max().item() < 1e-6
+    assert (served_logprobs(server) - before).abs().max().item() < 1e-6
 
 
 def test_a_non_finite_weight_is_refused_on_either_transport(qwen3_server, tiny_model_dir):
     server, base = qwen3_server, tiny_model_dir("qwen3")
-    name, before = server.served_name, _served(server)
+    name, before = server.served_name, served_logprobs(server)
     staging = server.process.log_path.parent / "qwen3-weights"
     files, staged = WeightUpdater(server, staging, base, transport="files"), sorted(staging.glob("step-*"))
     dead = staging / "push-killed"  # a trainer killed mid-push left its buckets: the next push removes them
@@ -163,20 +154,20 @@ def test_a_non_finite_weight_is_refused_on_either_transport(qwen3_server, tiny_m
             with pytest.raises(ServingError, match=rf"{re.escape(key)} holds 1 non-finite value\(s\); nothing was"):
                 update(steps)
             assert server.models() == [name]
-            assert (_served(server) - before).abs().max().item() < 1e-6
+            assert (served_logprobs(server) - before).abs().max().item() < 1e-6
     assert sorted(staging.glob("step-*")) == staged and not _pushes_left()  # nothing of the refused steps left
     assert not dead.exists()
 
 
 def test_an_update_that_misses_a_tensor_is_refused(qwen3_server, tiny_model_dir):
     server = qwen3_server
-    name, before = server.served_name, _served(server)
+    name, before = server.served_name, served_logprobs(server)
     partial = [{k: v for k, v in b.items() if k != "model.layers.0.self_attn.q_proj.weight"} for b in
                buckets(base_tensors(tiny_model_dir("qwen3")), max_bytes=1 << 30)]  # fmt: skip
     with pytest.raises(ServingError, match=r"1 tensor\(s\) missing \['model.layers.0.self_attn.q_proj.weight'\]"):
         server.update_weights(partial)
     assert server.models() == [name]
-    assert (_served(server) - before).abs().max().item() < 1e-6
+    assert (served_logprobs(server) - before).abs().max().item() < 1e-6
 
 
 def test_a_reload_that_leaves_a_layer_on_its_old_weights_is_an_error(qwen3_server, tiny_model_dir, tmp_path):
@@ -193,7 +184,7 @@ def test_a_reload_that_leaves_a_layer_on_its_old_weights_is_an_error(qwen3_serve
     ):
         server.reload_weights(partial)
     server.reload_weights(write_checkpoint(buckets(base_tensors(base), 1 << 30), tmp_path / "whole", support_from=base))
-    assert (_served(server) - _reference(base)).abs().max().item() < FP32_TOL
+    assert (served_logprobs(server) - _reference(base)).abs().max().item() < FP32_TOL
 
 
 def _running(server: Server) -> float:
@@ -317,7 +308,7 @@ def test_lora_hot_swap_advances_the_adapter_and_keeps_the_base(qwen3_server, tin
     loads its own copy, so nothing of the caller's is deleted, and the copy of an unloaded adapter is removed."""
     server, base = qwen3_server, tiny_model_dir("qwen3")
     name = server.update_weights(buckets(base_tensors(base), max_bytes=1 << 30))  # the checkpoint's own weights again
-    base_out = _served(server)
+    base_out = served_logprobs(server)
     fixed = tmp_path / "adapter"
     names = []
     for step in (1, 2):
@@ -327,14 +318,14 @@ def test_lora_hot_swap_advances_the_adapter_and_keeps_the_base(qwen3_server, tin
         (fixed / "notes.txt").write_text("the user's")
         names.append(server.update_adapter(fixed))
         assert names[-1] == f"qwen3-lora@{step}"
-        assert (_served(server, names[-1]) - expected).abs().max().item() < FP32_TOL
+        assert (served_logprobs(server, names[-1]) - expected).abs().max().item() < FP32_TOL
     assert sorted(server.models()) == sorted([name, "qwen3-lora@2"])
     copies = server.process.tmp_dir / "adapters"
     assert sorted(p.name for p in copies.iterdir()) == ["qwen3-lora@2"]  # the unloaded adapter's copy is removed
     assert (fixed / "notes.txt").read_text() == "the user's" and (fixed / "adapter_config.json").exists()
     with pytest.raises(ServerError, match=r"404.*qwen3-lora@1"):
         server.completion(PROMPT, model="qwen3-lora@1", max_tokens=1)
-    assert (_served(server) - base_out).abs().max().item() < 1e-6  # the base is untouched
+    assert (served_logprobs(server) - base_out).abs().max().item() < 1e-6  # the base is untouched
     server.remove_adapter()
     assert server.models() == [name] and not any(copies.iterdir()) and (fixed / "notes.txt").exists()
 
@@ -355,11 +346,11 @@ def test_moe_weights_reload_in_place_as_they_load(tiny_model_dir, tmp_path):
     changed = write_checkpoint(buckets(moved.items(), 1 << 30), tmp_path / "changed", support_from=model)
     server = get_backend("vllm").serve(model, "moe@0", ServeOptions(dtype="float32"), tmp_path / "vllm.log")
     try:
-        before = _served(server)
+        before = served_logprobs(server)
         assert server.update_weights(buckets(tensors.items(), max_bytes=1 << 30)) == "moe@1"
-        same = (_served(server) - before).abs().max().item()
+        same = (served_logprobs(server) - before).abs().max().item()
         assert server.update_weights(buckets(moved.items(), max_bytes=1 << 30)) == "moe@2"
-        served_changed = _served(server)
+        served_changed = served_logprobs(server)
     finally:
         server.stop()
     assert same < 1e-6, f"reloading the model's own weights moved its log-probs by {same:.2e}"

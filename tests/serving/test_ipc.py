@@ -15,32 +15,22 @@ from model_support.core.serving.errors import ServerError, ServingError
 from model_support.core.serving.export import base_tensors, buckets, merged_tensors
 from model_support.core.serving.options import ServeOptions
 from model_support.core.serving.update import WeightUpdater, ipc_handle, pack
-from model_support.handlers import BUILTIN_HANDLERS
-from tests.serving.adapters import random_adapter
+from tests.serving.adapters import TARGETS, random_adapter, served_logprobs
 
-PROMPT = [17, 101, 44, 250, 9, 311, 66, 140, 23, 77]
-TARGETS = next(h for h in BUILTIN_HANDLERS if h.name == "qwen3").hf_target_modules
 BUCKET_BYTES = 150_000  # the tiny replica's step in several buckets
 SAME = 1e-4  # one server, the same weights: only a kernel's run-to-run noise (bf16 weights differ by > 1e-2)
-
-
-def _served(server) -> torch.Tensor:
-    choice = server.completion(PROMPT, max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    return torch.tensor(
-        [row[str(t)]["logprob"] for row, t in zip(choice["prompt_logprobs"][1:], PROMPT[1:], strict=True)]
-    )
 
 
 def test_ipc_to_a_server_without_a_gpu_is_refused_before_anything_is_sent(runtime, request, tiny_model_dir):
     if runtime.flavor != "cpu":
         pytest.skip("the refusal of a server without a GPU (the CPU build)")
     server, base = request.getfixturevalue("qwen3_server"), tiny_model_dir("qwen3")
-    name, before = server.served_name, _served(server)
+    name, before = server.served_name, served_logprobs(server)
     updater = WeightUpdater(server, base, base, transport="ipc", backend="gloo")
     with pytest.raises(ServingError, match=r"^weight_transfer='ipc' hands buckets over through CUDA IPC: it needs"):
         updater.update(buckets(base_tensors(base), max_bytes=BUCKET_BYTES))
     assert server.models() == [name]
-    assert (_served(server) - before).abs().max().item() == 0.0
+    assert (served_logprobs(server) - before).abs().max().item() == 0.0
 
 
 def test_an_ipc_push_serves_what_the_stream_serves_and_frees_the_trainers_buffers(
@@ -60,21 +50,22 @@ def test_an_ipc_push_serves_what_the_stream_serves_and_frees_the_trainers_buffer
             for bucket in buckets(tensors, max_bytes=BUCKET_BYTES):
                 yield {name: tensor.cuda() for name, tensor in bucket.items()}
 
-        start = _served(server)
+        start = served_logprobs(server)
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated()
         assert server.update_weights(on_gpu(merged.items())) == "qwen3@1"  # the server's own transport: ipc
         torch.cuda.synchronize()
         left = torch.cuda.memory_allocated() - held
-        through_ipc = _served(server)
+        through_ipc = served_logprobs(server)
         step_bytes = sum(t.numel() * t.element_size() for t in merged.values())
         assert left < step_bytes / 2, (left, step_bytes)  # no bucket outlives the push on the trainer's GPU
         assert (through_ipc - start).abs().max().item() > 1e-2  # the step changed what is served
 
         assert stream.update(buckets(base_tensors(base), max_bytes=BUCKET_BYTES)) == "qwen3@2"
-        assert (_served(server) - start).abs().max().item() < SAME  # back on the base weights
+        assert (served_logprobs(server) - start).abs().max().item() < SAME  # back on the base weights
         assert stream.update(buckets(merged.items(), max_bytes=BUCKET_BYTES)) == "qwen3@3"
-        assert (_served(server) - through_ipc).abs().max().item() < SAME  # the same step through memory: the same
+        # The same step through memory: the same.
+        assert (served_logprobs(server) - through_ipc).abs().max().item() < SAME
 
         # A bucket the worker refuses (not the announced dtype) ends the step there; nothing is applied.
         server.request("/start_weight_update", {})
@@ -85,6 +76,6 @@ def test_an_ipc_push_serves_what_the_stream_serves_and_frees_the_trainers_buffer
         with pytest.raises(ServerError, match=r"'model\.norm\.weight' is bfloat16 \[64\], announced float32 \[64\]"):
             server.request("/update_weights", {"update_info": update})
         assert server.models() == ["qwen3@3"]
-        assert (_served(server) - through_ipc).abs().max().item() < SAME
+        assert (served_logprobs(server) - through_ipc).abs().max().item() < SAME
     finally:
         server.stop()

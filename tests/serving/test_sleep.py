@@ -15,8 +15,8 @@ import torch
 from model_support.core.serving.backend import get_backend
 from model_support.core.serving.errors import ServingError
 from model_support.core.serving.options import ServeOptions
+from tests.serving.adapters import PROMPT
 
-PROMPT = [17, 101, 44, 250, 9, 311, 66, 140, 23, 77]
 CYCLES = 3
 
 
