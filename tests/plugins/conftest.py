@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import pip_install_target, run_cli
+from tests.megatron.conftest import MEGATRON_STAGES
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +40,7 @@ SHIPPED = tuple(sorted(PLUGINS.glob("model-support-*")))
 # What the first tier checks of every shipped plugin: the stages of one process without a server (the family's Megatron
 # model against transformers, its LoRA, packing and training). parallel_parity's ranks and the serving stages' vLLM
 # server, about two thirds of a default check's time on 2 CPU cores, run in the exhaustive tier's whole check.
-ONE_PROCESS_STAGES = (
-    "dependencies", "architecture", "weights", "hf_parity", "lora_coverage", "lora_gradients", "packed_position_ids",
-    "shared_prefix", "trainability",
-)  # fmt: skip
+ONE_PROCESS_STAGES = ("dependencies", "architecture", "weights", *MEGATRON_STAGES)
 
 
 @dataclass(frozen=True)
