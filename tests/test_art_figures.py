@@ -1,14 +1,17 @@
 """ART's train/inference mismatch figures (``train_inference_mismatch``): mean |p_server - p_trainer| of the sampled
-tokens and KL(server || trainer) over the server's top-k, on numbers worked by hand."""
+tokens and KL(server || trainer) over the server's top-k, on numbers worked by hand; and the limits of a
+server-vs-trainer comparison below fp32."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from model_support.validation.stages.train_inference_mismatch import art_figures
+from model_support.validation.serving_session import compared_dtype
+from model_support.validation.stages.train_inference_mismatch import art_figures, mismatch_tolerance
 
 
 def _rows(*probs: list[float]) -> torch.Tensor:
@@ -36,3 +39,23 @@ def test_the_figures_measure_the_probability_gap_and_the_top_k_divergence():
     figures = art_figures(served, trainer.gather(1, tokens[:, None])[:, 0], tops, trainer)
     assert figures["art_prob_abs_diff_mean"] == pytest.approx(0.1, abs=1e-12)
     assert figures["art_top20_kl_mean"] == pytest.approx(second / 2, abs=1e-12)
+
+
+def test_low_precision_limits_scale_with_the_references_own_distance_and_fp32_stays_fixed():
+    fixed = mismatch_tolerance("bfloat16")
+    # transformers' own bf16 run close to its fp32 one: the fixed limits stand.
+    assert mismatch_tolerance("bfloat16", {"abs_delta_logprob_mean": 1e-3, "abs_delta_logprob_max": 0.01}) == fixed
+    # A wider model drifting further: at least twice that distance, the KL limit untouched.
+    wide = mismatch_tolerance("bfloat16", {"abs_delta_logprob_mean": 0.04, "abs_delta_logprob_max": 0.3})
+    assert wide["abs_delta_logprob_mean"] == pytest.approx(0.08) and wide["abs_delta_logprob_max"] == pytest.approx(0.6)
+    assert wide["kl_mean"] == fixed["kl_mean"]
+    assert mismatch_tolerance("float32")["abs_delta_logprob_max"] == 1e-4
+
+
+def test_a_comparison_is_held_to_the_lower_precision_of_the_server_and_the_trainer():
+    def ctx(training: str) -> SimpleNamespace:
+        return SimpleNamespace(training_dtype=training)
+
+    assert compared_dtype(ctx("bf16"), "float32") == "bfloat16"  # an fp32 server on the CPU build, a bf16 trainer
+    assert compared_dtype(ctx("fp32"), "bfloat16") == "bfloat16"
+    assert compared_dtype(ctx("fp32"), "float32") == "float32"

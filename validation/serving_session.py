@@ -83,6 +83,12 @@ def serving_dtype(ctx: CheckContext) -> tuple[str, str]:
     return stored, "the checkpoint's own"
 
 
+def compared_dtype(ctx: CheckContext, served: str) -> str:
+    """The precision a comparison of the server (serving ``served``) with the trainer is held to: the lower of the
+    two (a bf16 trainer beside an fp32 server on the CPU build drifts as far as a bf16 one)."""
+    return served if served != "float32" else VLLM_DTYPES[ctx.training_dtype]
+
+
 # vLLM's default share of a GPU (90 %) leaves the check's Megatron model on the same GPU no room: on a GPU a
 # server takes the checkpoint's size and this much more for its activations, KV cache and LoRA slots.
 GPU_SERVER_ALLOWANCE_BYTES = 8 << 30
@@ -341,10 +347,14 @@ def megatron_logprobs(ctx: CheckContext, sequences: list[list[int]]) -> list[tor
 
 
 def trainer_logprobs(
-    ctx: CheckContext, adapter: Path, sequences: list[list[int]], dtype: torch.dtype = torch.float32
+    ctx: CheckContext,
+    adapter: Path,
+    sequences: list[list[int]],
+    dtype: torch.dtype = torch.float32,
+    merge_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Per-position log-softmax of the transformers policy (base + adapter merged; fp32 unless ``dtype`` says) for
-    each sequence."""
+    """Per-position log-softmax of the transformers policy (base + adapter merged, each merged tensor rounded to
+    ``merge_dtype`` where given; fp32 unless ``dtype`` says) for each sequence."""
     from model_support.core.megatron.hf_reference import adapter_deltas
 
     reference, deltas = hf_reference(ctx, dtype), adapter_deltas(adapter)
@@ -353,7 +363,8 @@ def trainer_logprobs(
         by_length.setdefault(len(seq), []).append(i)
     out: dict[int, torch.Tensor] = {}
     for rows in by_length.values():  # one forward per length: no padding
-        logits = reference.forward(torch.tensor([sequences[i] for i in rows]), adapter=deltas).logits
+        ids = torch.tensor([sequences[i] for i in rows])
+        logits = reference.forward(ids, adapter=deltas, merge_dtype=merge_dtype).logits
         out.update(zip(rows, torch.log_softmax(logits.double().cpu(), dim=-1), strict=True))
     return [out[i] for i in range(len(sequences))]
 

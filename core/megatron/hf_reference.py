@@ -207,6 +207,7 @@ class StreamedReference:
             self._by_layer.setdefault(self.checkpoint.layer_of(name), []).append(name)
         self._raw_names = {self.checkpoint.raw_key(n): n for n in self.checkpoint.get_all_keys()}
         self._deltas: dict[str, LoraDelta] = {}
+        self._merge_dtype: torch.dtype | None = None  # forward's ``merge_dtype`` while it runs
         # transformers' checkpoint -> model renames and conversions (e.g. per-expert tensors fused), once.
         self._conversions = get_model_conversion_mapping(self.model)
         self._load(self._by_layer.get(None, []))
@@ -223,7 +224,10 @@ class StreamedReference:
             delta = self._deltas.get(key)
             # On the device first: transformers' conversions (experts stacked, gate and up joined) run there.
             tensor = tensor.to(self.device)
-            state[key] = tensor if delta is None else tensor.float() + delta.on(self.device)
+            if delta is not None:
+                tensor = tensor.float() + delta.on(self.device)
+                tensor = tensor if self._merge_dtype is None else tensor.to(self._merge_dtype)
+            state[key] = tensor
         load = LoadStateDictConfig(
             dtype=self.dtype, weight_mapping=self._conversions, device_map={"": str(self.device)}
         )
@@ -264,15 +268,18 @@ class StreamedReference:
         input_ids: torch.Tensor,
         *,
         adapter: dict[str, LoraDelta] | None = None,
+        merge_dtype: torch.dtype | None = None,
         routers: bool = False,
         replay: list[torch.Tensor] | None = None,
     ) -> ReferenceOutput:
         """Logits of ``input_ids`` ([B, S]) with the adapter merged (``adapter_deltas``).
 
-        ``routers``: record each MoE router's input, logits and top-k. ``replay``: one top-k index tensor per
-        router (e.g. another run's), taken instead of the router's own choice.
+        ``merge_dtype``: each merged tensor rounded to that dtype before the reference's own (the policy a server
+        holds after a merged push in that dtype, computed at the reference's precision). ``routers``: record each
+        MoE router's input, logits and top-k. ``replay``: one top-k index tensor per router (e.g. another run's),
+        taken instead of the router's own choice.
         """
-        self._deltas = self._checked(adapter)
+        self._deltas, self._merge_dtype = self._checked(adapter), merge_dtype
         handles = []
         for index, layer in enumerate(self.layers):
             handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=index: self._enter_layer(i)))
@@ -288,7 +295,7 @@ class StreamedReference:
         finally:
             for handle in handles:
                 handle.remove()
-            self._deltas = {}
+            self._deltas, self._merge_dtype = {}, None
             for layer in self.layers:
                 _drop_weights(layer)
         return ReferenceOutput(out.logits.float(), captures)

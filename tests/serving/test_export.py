@@ -129,3 +129,29 @@ def test_a_killed_export_leaves_no_checkpoint_and_the_next_one_succeeds(qwen3_ad
     assert len(list(staging.glob("shard-*.safetensors"))) == 2 and not (staging / INDEX).exists()
     export_merged(model_dir, adapter, out, max_shard_bytes=100_000)
     assert (out / INDEX).exists() and not staging.exists()
+
+
+def test_the_reference_rounds_a_merge_to_the_dtype_asked_before_its_own(tiny_model_dir):
+    """``merge_dtype``: the fp32 reference of the policy a bf16 server holds after a merged push (``rl_trainability``
+    calibrates on it): each merged tensor rounded to bf16, then computed in fp32."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from model_support.core.megatron.hf_reference import LoraDelta, StreamedReference
+
+    model_dir = tiny_model_dir("qwen3")
+    reference = StreamedReference(model_dir, AutoConfig.from_pretrained(model_dir), torch.device("cpu"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weight = load_file(model_dir / "model.safetensors")[name].float()
+    gen = torch.Generator().manual_seed(3)
+    update = LoraDelta(
+        torch.randn(4, weight.shape[1], generator=gen), 1e-3 * torch.randn(weight.shape[0], 4, generator=gen), 1.0
+    )
+    rounded = (weight + update.on(torch.device("cpu"))).bfloat16().float()
+    # The rounded merge written as an update of its own: B = rounded - weight, A = I (both exact in fp32).
+    as_rounded = LoraDelta(torch.eye(weight.shape[1]), rounded - weight, 1.0)
+    ids = torch.tensor([[11, 40, 99, 7, 300, 12]])
+    got = reference.forward(ids, adapter={name: update}, merge_dtype=torch.bfloat16).logits
+    assert torch.equal(got, reference.forward(ids, adapter={name: as_rounded}).logits)
+    unrounded = reference.forward(ids, adapter={name: update}).logits
+    assert (got - unrounded).abs().max().item() > 1e-5

@@ -10,7 +10,9 @@ ART's: 0.5 for yes, 0.75 for no, 1.0 for maybe. Each step:
    and the KL over the server's top-k tokens. A push that put weights in the wrong place shows here. In merged
    mode the trainer's side is the policy it pushed (``api.lora_merged``: the update merged into the base's
    dtype, as ``api.merged_weights`` sends it): a bf16 base rounds away part of a small update, measured apart
-   (``merge_rounding_abs_delta_mean``, the pushed policy against the trainer's base + fp32 LoRA);
+   (``merge_rounding_abs_delta_mean``, the pushed policy against the trainer's base + fp32 LoRA). Below fp32 the
+   |delta| limits are at least twice transformers' own distance from its fp32 run on the same tokens
+   (``_reference_distance``);
 3. a policy-gradient LoRA step with group-relative advantages (reward minus its group's mean, over the
    group's standard deviation) on the log-probability of the answer among the allowed tokens;
 4. the policy is pushed: in "lora" mode the adapter is hot-swapped (``api.push_adapter``: ``<handler>-lora@N+1``
@@ -36,12 +38,17 @@ import torch
 
 from model_support.core.serving.errors import ServingError
 from model_support.validation.context import CHAT_RENDERER, TOKENIZER, CheckContext
-from model_support.validation.megatron_session import LORA, TRAINING_MODEL
+from model_support.validation.megatron_session import HF_REFERENCES, LORA, TRAINING_MODEL
 from model_support.validation.serving_session import SERVER
 from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
-from model_support.validation.stages.train_inference_mismatch import mismatch, mismatch_tolerance, topk_kl
+from model_support.validation.stages.train_inference_mismatch import (
+    calibration,
+    mismatch,
+    mismatch_tolerance,
+    topk_kl,
+)
 from model_support.validation.stages.trainability import base_fingerprints, changed_base, peak_lr
 
 QUESTIONS = (
@@ -93,7 +100,7 @@ class RlTrainabilityStage(Stage):
     title = "An RL loop on the API (sample from vLLM, score in Megatron, LoRA step, push) reaches reward 0.9."
     order = 110
     packages = MEGATRON_PACKAGES
-    needs = (TRAINING_MODEL, LORA, TOKENIZER, CHAT_RENDERER, SERVER)
+    needs = (TRAINING_MODEL, LORA, TOKENIZER, CHAT_RENDERER, SERVER, HF_REFERENCES)
     thresholds: ClassVar[dict[str, float]] = {
         "reward_gap": 0.1,
         "stale_served_names": 0,
@@ -181,9 +188,19 @@ class RlTrainabilityStage(Stage):
         merged = next((run for run in runs if run.mode == "merged"), None)
         if merged is not None:
             metrics["merge_rounding_abs_delta_mean"] = merged.merge_rounding
-        limits = mismatch_tolerance(server.options.dtype)
+        reference = None
+        if "reference_abs_delta_logprob_mean" in every[0]:
+            worst_own = {
+                k: max(s[f"reference_{k}"] for s in every)
+                for k in ("kl_mean", "abs_delta_logprob_mean", "abs_delta_logprob_max")
+            }
+            metrics |= {f"reference_{k}": v for k, v in worst_own.items()}  # the KLs reported beside, not judged
+            reference = {k: worst_own[k] for k in ("abs_delta_logprob_mean", "abs_delta_logprob_max")}
+        dtype = session.compared_dtype(ctx, server.options.dtype)
+        limits = mismatch_tolerance(dtype, reference)
         thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
         details = ["serving dtype {}: {}".format(*session.serving_dtype(ctx))]
+        details += calibration(dtype, reference, limits)
         if any(run.stale_tokens is None for run in runs):  # a limit on what was not measured would pass vacuously
             del thresholds["stale_tokens"]
             metrics["stale_tokens"] = "not measured"
@@ -219,6 +236,31 @@ class RlTrainabilityStage(Stage):
         )
         return self.judge(metrics, thresholds, summary, details, ctx=ctx)
 
+    @staticmethod
+    def _reference_distance(
+        ctx: CheckContext, model: Any, prompt_ids: list[list[int]], tokens: torch.Tensor, dtype: str
+    ) -> dict[str, float]:
+        """transformers' own distance in ``dtype`` (the comparison's lower precision) from its fp32 run, on this
+        step's sampled ``tokens`` [prompt, sample], both runs on the trainer's policy (its LoRA exported as an
+        adapter) merged and rounded to ``dtype``: how far a correct low-precision implementation of one policy
+        drifts, which the |delta| limits scale with. The merge's rounding is left out: both sides of the comparison
+        hold the same update (merged mode: the pushed, rounded policy; LoRA mode: the adapter unmerged), and merged
+        mode measures that rounding apart."""
+        import tempfile
+        from pathlib import Path
+
+        from model_support.core import api
+        from model_support.validation import serving_session as session
+
+        with tempfile.TemporaryDirectory(prefix="rl-reference-") as tmp:
+            adapter = api.export_adapter(model, Path(tmp) / "adapter")
+            rounded = getattr(torch, dtype)
+            low, full = (
+                torch.stack([rows[-1] for rows in session.trainer_logprobs(ctx, adapter, prompt_ids, d, rounded)])
+                for d in (rounded, torch.float32)
+            )
+        return {f"reference_{k}": v for k, v in mismatch((low - full).gather(1, tokens).flatten()).items()}
+
     def _loop(
         self, ctx: CheckContext, mode: str, server: Any, model: Any, prompt_ids: list[list[int]],
         answers: dict[int, str], lr: float,
@@ -226,7 +268,7 @@ class RlTrainabilityStage(Stage):
         """Train a fresh LoRA until the reward is reached, sampling from ``server`` after each push."""
         from model_support.core import api
         from model_support.core.megatron.lora import lora_modules
-        from model_support.validation.serving_session import push_bucket_bytes
+        from model_support.validation import serving_session as session
 
         allowed = sorted(answers)
         reward_of = torch.tensor([REWARDS[answers[t]] for t in allowed], dtype=torch.float64)
@@ -240,7 +282,7 @@ class RlTrainabilityStage(Stage):
         def push() -> str:
             if mode == "lora":
                 return api.push_adapter(server, model)
-            return api.push_weights(server, model, bucket_bytes=push_bucket_bytes(ctx))
+            return api.push_weights(server, model, bucket_bytes=session.push_bucket_bytes(ctx))
 
         try:
             run.names.append(push())
@@ -282,6 +324,9 @@ class RlTrainabilityStage(Stage):
                     rounded = (ours - trained).gather(1, tokens).abs()
                     run.merge_rounding = max(run.merge_rounding, rounded.mean().item())
                 record = mismatch((served - ours.gather(1, tokens)).flatten())
+                dtype = session.compared_dtype(ctx, server.options.dtype)
+                if dtype != "float32":
+                    record |= self._reference_distance(ctx, model, prompt_ids, tokens, dtype)
                 record["topk_kl_mean"] = (
                     sum(
                         topk_kl({t["token_id"]: t["logprob"] for t in f["top_logprobs"]}, ours[i])

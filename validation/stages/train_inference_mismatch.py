@@ -7,7 +7,10 @@ prompt + completion ids in one packed forward (``api.token_logprobs``). Per samp
 ``delta = log p_server - log p_trainer``; the report gives mean and max ``|delta|`` and the KL(server || trainer)
 estimate ``k3 = exp(-delta) - 1 + delta`` averaged over tokens (unbiased under the server's samples). This is the
 number an on-policy RL run depends on, and what catches weights that were pushed but landed in the wrong place.
-transformers (fp32, adapter merged) scores the same ids as a second reference, held to the same limits.
+transformers (fp32, adapter merged) scores the same ids as a second reference, held to the same limits. Below fp32
+(the lower of the server's and the trainer's dtype) the |delta| limits are at least twice transformers' own distance
+in that dtype from its fp32 run on the same ids, as the Megatron stages' limits are (``mismatch_tolerance``); its KL
+is reported beside (``reference_kl_mean``), not judged.
 
 Beside these, ART's two figures for the same samples, reported with ART's limits and not judged: the mean
 ``|p_server - p_trainer|`` of the sampled tokens (``art_prob_abs_diff_mean``; ART asks <= 4%) and KL(server ||
@@ -35,13 +38,37 @@ MISMATCH_TOLERANCE = {
 }
 
 
-def mismatch_tolerance(dtype: str) -> dict[str, float]:
-    return MISMATCH_TOLERANCE.get(dtype, MISMATCH_TOLERANCE["bfloat16"])
+def mismatch_tolerance(dtype: str, reference: dict[str, float] | None = None) -> dict[str, float]:
+    """The limits for ``dtype``; with ``reference`` (transformers' own ``abs_delta_logprob_mean`` / ``_max`` between
+    its run in ``dtype`` and its fp32 run, on the same sampled tokens) the |delta| limits are at least
+    ``LOWP_TOLERANCE_FACTOR`` times that distance, as the Megatron stages' are: a wider or deeper model drifts further
+    in bf16, and two bf16 implementations of one policy may each drift that far."""
+    from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR
+
+    limits = dict(MISMATCH_TOLERANCE.get(dtype, MISMATCH_TOLERANCE["bfloat16"]))
+    for key, own in (reference or {}).items():
+        limits[key] = max(limits[key], LOWP_TOLERANCE_FACTOR * own)
+    return limits
 
 
 # ART's figures: how many of the server's most likely tokens its top-k KL covers, and its limits.
 ART_TOP_K = 20
 ART_LIMITS = {"art_prob_abs_diff_mean": 0.04, "art_top20_kl_mean": 0.002}
+
+
+def calibration(dtype: str, reference: dict[str, float] | None, limits: dict[str, float]) -> list[str]:
+    """The details line saying how far transformers' own ``dtype`` run keeps from its fp32 one (``reference``, the
+    worst over what was compared) and the |delta| limits that gave (none where nothing was measured)."""
+    from model_support.core.megatron.compare import LOWP_TOLERANCE_FACTOR
+
+    if reference is None:
+        return []
+    return [
+        f"|delta| limits: at least {LOWP_TOLERANCE_FACTOR:g}x transformers' own {dtype} distance from its fp32 run on "
+        f"the same sampled tokens (mean {reference['abs_delta_logprob_mean']:.2e}, max "
+        f"{reference['abs_delta_logprob_max']:.2e}): mean {limits['abs_delta_logprob_mean']:.3g}, max "
+        f"{limits['abs_delta_logprob_max']:.3g}"
+    ]
 
 
 def topk_kl(top: dict[int, float], trainer: torch.Tensor) -> float:
@@ -121,23 +148,32 @@ class TrainInferenceMismatchStage(Stage):
             "": session.megatron_logprobs(ctx, sequences),
             "hf_": session.trainer_logprobs(ctx, adapter, sequences),
         }
+
+        def sampled(rows: list[torch.Tensor]) -> torch.Tensor:
+            pairs = zip(prompts, sequences, rows, strict=True)
+            return torch.cat([session.token_logprobs(ref, seq, len(p)) for p, seq, ref in pairs])
+
         metrics: dict[str, float | int | str] = {}
         for prefix, rows in trainers.items():
-            ours = torch.cat(
-                [session.token_logprobs(ref, seq, len(p)) for p, seq, ref in zip(prompts, sequences, rows, strict=True)]
-            )
+            ours = sampled(rows)
             metrics |= {prefix + k: v for k, v in mismatch(served - ours).items()}
             if not prefix:  # ART's figures: the server against the Megatron trainer
                 pairs = zip(prompts, sequences, rows, strict=True)
                 at = torch.cat([ref[len(p) - 1 : len(seq) - 1] for p, seq, ref in pairs])
                 metrics |= art_figures(served, ours, tops, at)
+        reference, dtype = None, session.compared_dtype(ctx, server.options.dtype)
+        if dtype != "float32":  # transformers' own run in that dtype against its fp32 run
+            low = session.trainer_logprobs(ctx, adapter, sequences, getattr(torch, dtype))
+            own = mismatch(sampled(low) - sampled(trainers["hf_"]))  # its KL reported beside, not judged
+            metrics |= {f"reference_{k}": v for k, v in own.items()}
+            reference = {k: own[k] for k in ("abs_delta_logprob_mean", "abs_delta_logprob_max")}
         metrics |= {
             "sampled_tokens": served.numel(),
             "prompt_lengths": "+".join(str(len(p)) for p in prompts),
             "serving_dtype": server.options.dtype,
             "served_model": server.served_name,
         }
-        limits = mismatch_tolerance(server.options.dtype)
+        limits = mismatch_tolerance(dtype, reference)
         thresholds = limits | {"hf_" + k: v for k, v in limits.items()}
         return self.judge(
             metrics,
@@ -150,6 +186,7 @@ class TrainInferenceMismatchStage(Stage):
                 f"top-{ART_TOP_K} KL {metrics['art_top20_kl_mean']:.2e} (ART's limit "
                 f"{ART_LIMITS['art_top20_kl_mean']})",
                 "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
+                *calibration(dtype, reference, limits),
                 f"adapter: {origin}",
                 f"trainer: the Megatron model ({session.policy_model(ctx).describe()}); hf_*: transformers fp32, "
                 "adapter merged",
