@@ -14,8 +14,9 @@ between GPUs), and (``ipc``, a server on the trainer's own GPU: ``--trainer-devi
 bytes under the staging directory (disk) and under ``/dev/shm`` (memory), the peak resident memory of this process (the
 trainer's side) and of the server's processes, and each GPU's used memory (``nvidia-smi``), above what they held before
 the push. With ``--trainer-device cuda`` the buckets are on this process's GPU before the push starts (as a live model's
-merged weights are) and the server runs on ``--server-gpus``: the trainer's GPU to the server's. One machine, one run:
-compare the ratios, not the seconds.
+merged weights are) and the server runs on ``--server-gpus``: the trainer's GPU to the server's; the link between the
+two is measured first (``benchmarks.link_bandwidth``: broadcast and all-reduce of one bucket over NCCL), and each
+transport's GB/s is set beside its broadcast. One machine, one run: compare the ratios, not the seconds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import psutil
 import torch
 
 from benchmarks.gpu_parallel import PeakMemory, gpu_memory_used
+from benchmarks.link_bandwidth import measure
 from model_support.core.replica import build_replica
 from model_support.core.serving.backend import get_backend
 from model_support.core.serving.export import base_tensors, buckets
@@ -99,6 +101,11 @@ def main() -> None:
         build_replica(raw, model_dir, layers=args.layers, experts=None, dtype=getattr(torch, args.dtype),
                       device="auto", seed=0, overwrite=False)  # fmt: skip
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    link = None
+    if args.server_gpus and args.trainer_device != "cpu":  # before the server holds any of the GPU
+        trainer_gpu = str(torch.device(args.trainer_device).index or 0)
+        link = measure([trainer_gpu, args.server_gpus.split(",")[0]], mib=args.bucket_mib)
+        print(json.dumps({"link": link}), flush=True)
     options = ServeOptions(dtype=args.dtype, kv_cache_gib=1, gpus=args.server_gpus, gpu_memory_utilization=0.5)
     server = get_backend("vllm").serve(model_dir, "replica@0", options, work / "vllm.log")
     try:
@@ -128,16 +135,25 @@ def main() -> None:
                 peaks.join()
             del stream
             gpu_extra = {f"gpu{i}": (mib - before.get(i, mib)) * 2**20 for i, mib in gpu.peak.items()}
-            rows.append({"transport": transport, "served": name, "seconds": round(seconds, 2)} | peaks.peak | gpu_extra)
+            rows.append({"transport": transport, "served": name, "seconds": seconds} | peaks.peak | gpu_extra)
             print(json.dumps(rows[-1]), flush=True)
         print(json.dumps({"checkpoint_bytes": size, "bucket_mib": args.bucket_mib, "dtype": args.dtype}))
+        if link is not None:
+            print(
+                f"link GPU {link['devices'][0]} -> GPU {link['devices'][1]} ({link['backend']}, {args.bucket_mib} "
+                f"MiB): broadcast {link['broadcast_gb_s']:.1f} GB/s, all-reduce bus bandwidth "
+                f"{link['all_reduce_busbw_gb_s']:.1f} GB/s"
+            )
         for transport in dict.fromkeys(transports):
             mine = [r for r in rows if r["transport"] == transport]
             best = min(mine, key=lambda r: r["seconds"])
+            rate = size / best["seconds"] / 1e9
+            against = "" if link is None else f" ({rate / link['broadcast_gb_s']:.2f} of the link's broadcast)"
             print(
-                f"{transport}: {best['seconds']:.2f} s (best of {len(mine)}), peak extra disk "
-                f"{max(r['disk'] for r in mine) / 2**20:.0f} MiB, /dev/shm {max(r['shm'] for r in mine) / 2**20:.0f} "
-                f"MiB, trainer RSS +{max(r['trainer'] for r in mine) / 2**20:.0f} MiB, server RSS "
+                f"{transport}: {best['seconds']:.2f} s (best of {len(mine)}), {rate:.1f} GB/s{against}, peak extra "
+                f"disk {max(r['disk'] for r in mine) / 2**20:.0f} MiB, /dev/shm "
+                f"{max(r['shm'] for r in mine) / 2**20:.0f} MiB, trainer RSS "
+                f"+{max(r['trainer'] for r in mine) / 2**20:.0f} MiB, server RSS "
                 f"+{max(r['server'] for r in mine) / 2**20:.0f} MiB"
                 + "".join(
                     f", {key} +{max(r[key] for r in mine) / 2**20:.0f} MiB"
