@@ -278,6 +278,7 @@ class RlTrainabilityStage(Stage):
         params = [p for p in model.module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         run = _Run(mode)
+        dtype = session.compared_dtype(ctx, server.options.dtype)
 
         def push() -> str:
             if mode == "lora":
@@ -324,7 +325,6 @@ class RlTrainabilityStage(Stage):
                     rounded = (ours - trained).gather(1, tokens).abs()
                     run.merge_rounding = max(run.merge_rounding, rounded.mean().item())
                 record = mismatch((served - ours.gather(1, tokens)).flatten())
-                dtype = session.compared_dtype(ctx, server.options.dtype)
                 if dtype != "float32":
                     record |= self._reference_distance(ctx, model, prompt_ids, tokens, dtype)
                 record["topk_kl_mean"] = (
