@@ -11,8 +11,8 @@ ART's: 0.5 for yes, 0.75 for no, 1.0 for maybe. Each step:
    mode the trainer's side is the policy it pushed (``api.lora_merged``: the update merged into the base's
    dtype, as ``api.merged_weights`` sends it): a bf16 base rounds away part of a small update, measured apart
    (``merge_rounding_abs_delta_mean``, the pushed policy against the trainer's base + fp32 LoRA). Below fp32 the
-   |delta| limits are at least twice transformers' own distance from its fp32 run on the same tokens
-   (``_reference_distance``);
+   limits are at least twice transformers' own distance from its fp32 run on the same tokens, the KLs four times
+   its own (``_reference_distance``);
 3. a policy-gradient LoRA step with group-relative advantages (reward minus its group's mean, over the
    group's standard deviation) on the log-probability of the answer among the allowed tokens;
 4. the policy is pushed: in "lora" mode the adapter is hot-swapped (``api.push_adapter``: ``<handler>-lora@N+1``
@@ -44,6 +44,7 @@ from model_support.validation.stage import Stage, StageResult
 from model_support.validation.stages.hf_parity import MEGATRON_PACKAGES
 from model_support.validation.stages.merged_serving import cannot_serve
 from model_support.validation.stages.train_inference_mismatch import (
+    CALIBRATED,
     calibration,
     mismatch,
     mismatch_tolerance,
@@ -190,12 +191,8 @@ class RlTrainabilityStage(Stage):
             metrics["merge_rounding_abs_delta_mean"] = merged.merge_rounding
         reference = None
         if "reference_abs_delta_logprob_mean" in every[0]:
-            worst_own = {
-                k: max(s[f"reference_{k}"] for s in every)
-                for k in ("kl_mean", "abs_delta_logprob_mean", "abs_delta_logprob_max")
-            }
-            metrics |= {f"reference_{k}": v for k, v in worst_own.items()}  # the KLs reported beside, not judged
-            reference = {k: worst_own[k] for k in ("abs_delta_logprob_mean", "abs_delta_logprob_max")}
+            reference = {k: max(s[f"reference_{k}"] for s in every) for k in CALIBRATED}
+            metrics |= {f"reference_{k}": v for k, v in reference.items()}
         dtype = session.compared_dtype(ctx, server.options.dtype)
         limits = mismatch_tolerance(dtype, reference)
         thresholds = dict(self.thresholds) | limits | {"topk_kl_mean": limits["kl_mean"]}
@@ -243,7 +240,7 @@ class RlTrainabilityStage(Stage):
         """transformers' own distance in ``dtype`` (the comparison's lower precision) from its fp32 run, on this
         step's sampled ``tokens`` [prompt, sample], both runs on the trainer's policy (its LoRA exported as an
         adapter) merged and rounded to ``dtype``: how far a correct low-precision implementation of one policy
-        drifts, which the |delta| limits scale with. The merge's rounding is left out: both sides of the comparison
+        drifts, which the limits scale with. The merge's rounding is left out: both sides of the comparison
         hold the same update (merged mode: the pushed, rounded policy; LoRA mode: the adapter unmerged), and merged
         mode measures that rounding apart."""
         import tempfile
