@@ -1,0 +1,59 @@
+"""How far transformers' own bf16 run of a replica is from its fp32 run on sampled-like tokens (k3 KL, |delta|).
+
+    python -m benchmarks.reference_drift CONFIG DIR [--layers 4] [--device cpu]
+
+Builds ``model-support replica CONFIG DIR --layers N --dtype bf16`` (kept in DIR for a second run), then scores
+the row lengths of ``train_inference_mismatch`` (two 8-token prompts and one of 65, each with 16 completion
+tokens) with the streamed transformers reference in fp32 and in bf16. The completion tokens are random: a random
+replica's next-token distribution is close to uniform, so they stand for sampled ones. Prints the k3 KL estimate
+and the mean and largest |log p_bf16 - log p_fp32| over the 48 completion tokens: the floor a correct bf16
+implementation of that replica keeps from fp32, which the serving stages' limits scale with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from model_support.core.megatron.hf_reference import StreamedReference
+from model_support.core.replica import build_replica
+from model_support.handlers.configs import CONFIGS
+from model_support.validation.stages.train_inference_mismatch import mismatch
+
+COMPLETION = 16
+PROMPTS = (8, 8, 65)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="a reference config in handlers/configs (qwen3.5-35b-a3b.json)")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    if not (args.out / "config.json").exists():
+        raw = json.loads((CONFIGS / args.config).read_text())
+        build_replica(raw, args.out, layers=args.layers, experts=None, dtype=torch.bfloat16, device=args.device,
+                      seed=0, overwrite=True)  # fmt: skip
+    config = AutoConfig.from_pretrained(args.out)
+    gen = torch.Generator().manual_seed(18)
+    rows = [torch.randint(10, 500, (n + COMPLETION,), generator=gen) for n in PROMPTS]
+    scored = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        reference = StreamedReference(args.out, config, torch.device(args.device), dtype)
+        scored[dtype] = []
+        for row in rows:
+            logprobs = torch.log_softmax(reference.forward(row[None]).logits[0].double().cpu(), dim=-1)
+            positions = torch.arange(len(row) - COMPLETION, len(row))
+            scored[dtype].append(logprobs[positions - 1, row[positions]])
+        del reference
+    delta = torch.cat(scored[torch.bfloat16]) - torch.cat(scored[torch.float32])
+    print(json.dumps({"config": args.config, "layers": args.layers, "tokens": delta.numel()} | mismatch(delta)))
+
+
+if __name__ == "__main__":
+    main()
