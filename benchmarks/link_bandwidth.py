@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from model_support.core.serving.process import free_port
 
 
 def _rank(rank: int, devices: list[str], port: int, nbytes: int, repeat: int, out: str) -> None:
@@ -85,7 +80,7 @@ def measure(devices: list[str], mib: int = 128, repeat: int = 5) -> dict:
     """Broadcast and all-reduce bandwidth between ``devices`` (GPU indices, or ``cpu`` for each rank)."""
     with tempfile.TemporaryDirectory(prefix="link-") as tmp:
         out = Path(tmp) / "link.json"
-        mp.spawn(_rank, args=(devices, _free_port(), mib * 2**20, repeat, str(out)), nprocs=len(devices))
+        mp.spawn(_rank, args=(devices, free_port(), mib * 2**20, repeat, str(out)), nprocs=len(devices))
         return json.loads(out.read_text())
 
 

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from model_support.core.megatron.hf_reference import StreamedReference
 from model_support.core.replica import build_replica
 from model_support.handlers.configs import CONFIGS
+from model_support.validation.serving_session import token_logprobs
 from model_support.validation.stages.train_inference_mismatch import mismatch
 
 COMPLETION = 16
@@ -48,8 +49,7 @@ def main() -> None:
         scored[dtype] = []
         for row in rows:
             logprobs = torch.log_softmax(reference.forward(row[None]).logits[0].double().cpu(), dim=-1)
-            positions = torch.arange(len(row) - COMPLETION, len(row))
-            scored[dtype].append(logprobs[positions - 1, row[positions]])
+            scored[dtype].append(token_logprobs(logprobs, row.tolist(), len(row) - COMPLETION))
         del reference
     delta = torch.cat(scored[torch.bfloat16]) - torch.cat(scored[torch.float32])
     print(json.dumps({"config": args.config, "layers": args.layers, "tokens": delta.numel()} | mismatch(delta)))

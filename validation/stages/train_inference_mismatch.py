@@ -166,17 +166,17 @@ class TrainInferenceMismatchStage(Stage):
             return torch.cat([session.token_logprobs(ref, seq, len(p)) for p, seq, ref in pairs])
 
         metrics: dict[str, float | int | str] = {}
-        for prefix, rows in trainers.items():
-            ours = sampled(rows)
+        scored = {prefix: sampled(rows) for prefix, rows in trainers.items()}
+        for prefix, ours in scored.items():
             metrics |= {prefix + k: v for k, v in mismatch(served - ours).items()}
             if not prefix:  # ART's figures: the server against the Megatron trainer
-                pairs = zip(prompts, sequences, rows, strict=True)
+                pairs = zip(prompts, sequences, trainers[prefix], strict=True)
                 at = torch.cat([ref[len(p) - 1 : len(seq) - 1] for p, seq, ref in pairs])
                 metrics |= art_figures(served, ours, tops, at)
         reference, dtype = None, session.compared_dtype(ctx, server.options.dtype)
         if dtype != "float32":  # transformers' own run in that dtype against its fp32 run
             low = session.trainer_logprobs(ctx, adapter, sequences, getattr(torch, dtype))
-            own = mismatch(sampled(low) - sampled(trainers["hf_"]))
+            own = mismatch(sampled(low) - scored["hf_"])
             metrics |= {f"reference_{k}": v for k, v in own.items()}
             reference = {k: own[k] for k in CALIBRATED}
         metrics |= {
