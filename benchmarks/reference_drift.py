@@ -1,13 +1,15 @@
 """How far transformers' own bf16 run of a replica is from its fp32 run on sampled-like tokens (k3 KL, |delta|).
 
-    python -m benchmarks.reference_drift CONFIG DIR [--layers 4] [--device cpu]
+    python -m benchmarks.reference_drift CONFIG DIR [--layers 4] [--device cpu] [--completion 16] [--draw 48 ...]
 
 Builds ``model-support replica CONFIG DIR --layers N --dtype bf16`` (kept in DIR for a second run), then scores
 the row lengths of ``train_inference_mismatch`` (two 8-token prompts and one of 65, each with 16 completion
 tokens) with the streamed transformers reference in fp32 and in bf16. The completion tokens are random: a random
 replica's next-token distribution is close to uniform, so they stand for sampled ones. Prints the k3 KL estimate
 and the mean and largest |log p_bf16 - log p_fp32| over the 48 completion tokens: the floor a correct bf16
-implementation of that replica keeps from fp32, which the serving stages' limits scale with.
+implementation of that replica keeps from fp32, which the serving stages' limits scale with. ``--completion`` scores
+more tokens per row; each ``--draw N`` then also reports the figures of each disjoint draw of N of them (their smallest
+and largest): how far one draw of N tokens can be from another, i.e. how steady a calibration on N tokens is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from model_support.handlers.configs import CONFIGS
 from model_support.validation.serving_session import token_logprobs
 from model_support.validation.stages.train_inference_mismatch import mismatch
 
-COMPLETION = 16
 PROMPTS = (8, 8, 65)
 
 
@@ -35,6 +36,10 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--completion", type=int, default=16, help="completion tokens per row")
+    parser.add_argument(
+        "--draw", type=int, action="append", default=[], help="also the figures of disjoint draws of this many tokens"
+    )
     args = parser.parse_args()
     if not (args.out / "config.json").exists():
         raw = json.loads((CONFIGS / args.config).read_text())
@@ -42,17 +47,22 @@ def main() -> None:
                       seed=0, overwrite=True)  # fmt: skip
     config = AutoConfig.from_pretrained(args.out)
     gen = torch.Generator().manual_seed(18)
-    rows = [torch.randint(10, 500, (n + COMPLETION,), generator=gen) for n in PROMPTS]
+    rows = [torch.randint(10, 500, (n + args.completion,), generator=gen) for n in PROMPTS]
     scored = {}
     for dtype in (torch.float32, torch.bfloat16):
         reference = StreamedReference(args.out, config, torch.device(args.device), dtype)
         scored[dtype] = []
         for row in rows:
             logprobs = torch.log_softmax(reference.forward(row[None]).logits[0].double().cpu(), dim=-1)
-            scored[dtype].append(token_logprobs(logprobs, row.tolist(), len(row) - COMPLETION))
+            scored[dtype].append(token_logprobs(logprobs, row.tolist(), len(row) - args.completion))
         del reference
     delta = torch.cat(scored[torch.bfloat16]) - torch.cat(scored[torch.float32])
     print(json.dumps({"config": args.config, "layers": args.layers, "tokens": delta.numel()} | mismatch(delta)))
+    order = torch.randperm(delta.numel(), generator=gen)  # disjoint draws of the tokens, in a seeded random order
+    for n in args.draw:
+        draws = [mismatch(delta[order[i : i + n]]) for i in range(0, delta.numel() - n + 1, n)]
+        spread = {k: (min(d[k] for d in draws), max(d[k] for d in draws)) for k in draws[0]}
+        print(json.dumps({"draw": n, "draws": len(draws), "min_max": spread}))
 
 
 if __name__ == "__main__":

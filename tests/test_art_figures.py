@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_support.validation.serving_session import compared_dtype
-from model_support.validation.stages.train_inference_mismatch import art_figures, mismatch_tolerance
+from model_support.validation.stages.train_inference_mismatch import art_figures, mismatch, mismatch_tolerance
 
 
 def _rows(*probs: list[float]) -> torch.Tensor:
@@ -52,6 +52,24 @@ def test_low_precision_limits_scale_with_the_references_own_distance_and_fp32_st
     assert wide["kl_mean"] == pytest.approx(0.04)
     assert mismatch_tolerance("bfloat16", own | {"kl_mean": 1e-3})["kl_mean"] == fixed["kl_mean"]
     assert mismatch_tolerance("float32")["abs_delta_logprob_max"] == 1e-4
+
+
+def test_two_runs_below_fp32_may_drift_apart_by_both_allowances_and_each_is_held_to_its_own():
+    # transformers' own bf16 run is 0.1 / 0.4 (KL 0.01) from its fp32 run on the sampled tokens.
+    own = {"abs_delta_logprob_mean": 0.1, "abs_delta_logprob_max": 0.4, "kl_mean": 0.01}
+    one, two = mismatch_tolerance("bfloat16", own), mismatch_tolerance("bfloat16", own, sides=2)
+    assert two == pytest.approx({"abs_delta_logprob_mean": 0.4, "abs_delta_logprob_max": 1.6, "kl_mean": 0.16})
+    # Each side's own drift within one allowance bounds the pair's by the triangle inequality, token by token.
+    fp32 = torch.zeros(64, dtype=torch.float64)
+    server, trainer = fp32 + 0.2 * torch.linspace(-1, 1, 64), fp32 - 0.2 * torch.linspace(-1, 1, 64).flip(0)
+    pair, sides = mismatch(server - trainer), [mismatch(server - fp32), mismatch(trainer - fp32)]
+    assert all(side[k] <= one[k] for side in sides for k in one)
+    assert all(pair[k] <= two[k] for k in two)
+    # A trainer three times transformers' own distance from fp32: the pair can still be within both allowances,
+    # the trainer's own comparison is not.
+    wrong = fp32 + 3 * 0.1 * torch.ones(64, dtype=torch.float64)
+    assert mismatch(server - wrong)["abs_delta_logprob_mean"] <= two["abs_delta_logprob_mean"]
+    assert mismatch(wrong - fp32)["abs_delta_logprob_mean"] > one["abs_delta_logprob_mean"]
 
 
 def test_a_comparison_is_held_to_the_lower_precision_of_the_server_and_the_trainer():

@@ -1,0 +1,33 @@
+"""train_inference_mismatch holds the server and the trainer each to the fp32 oracle on the sampled tokens: a bug in
+the trainer's scoring fails the trainer's own comparison (and the pair's), while the server's stays within its
+limits; so the comparison says which side is wrong, and where both run below fp32 (their pair then held to the sum
+of the two sides' allowances) each side is still held to its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_support.validation.pytest_plugin import CheckRequest, run_check
+from model_support.validation.selftest import injected
+from tests.megatron.conftest import require_megatron
+
+
+@pytest.mark.slow
+def test_a_trainer_that_scores_a_packed_row_as_one_sequence_fails_its_own_comparison(runtime, tmp_path):
+    require_megatron()
+    # A bf16 trainer beside the CPU build's fp32 server. The planted bug: the trainer's packed row of the four
+    # sampled sequences is one sequence to its layers (attention and positions run across the boundaries); the
+    # server and transformers score each on its own.
+    request = CheckRequest(target="qwen3", tiny=True, stages=("train_inference_mismatch",), alone=True, dtype="bf16")
+    with injected("packed-boundaries-ignored"):
+        report = run_check(request, tmp_path)
+    (result,) = report.results
+    metrics, limits = result.metrics, result.thresholds
+    assert result.status == "fail", result.summary
+    assert metrics["sampled_tokens"] == 256, metrics
+    # The server's own comparison with fp32 passes: the bug is not in what it serves.
+    assert all(metrics[k] <= v for k, v in limits.items() if k.startswith("hf_")), (metrics, limits)
+    # The trainer's fails, by far more than bf16 rounding, and the summary names it.
+    assert metrics["megatron_hf_abs_delta_logprob_mean"] > 3 * limits["megatron_hf_abs_delta_logprob_mean"], metrics
+    assert "megatron_hf_abs_delta_logprob_mean=" in result.summary
+    assert metrics["abs_delta_logprob_mean"] > limits["abs_delta_logprob_mean"], (metrics, limits)
