@@ -3,11 +3,12 @@
     python -m benchmarks.reference_drift CONFIG DIR [--layers 4] [--device cpu] [--completion 16] [--draw 48 ...]
 
 Builds ``model-support replica CONFIG DIR --layers N --dtype bf16`` (kept in DIR for a second run), then scores
-the row lengths of ``train_inference_mismatch`` (two 8-token prompts and one of 65, each with 16 completion
-tokens) with the streamed transformers reference in fp32 and in bf16. The completion tokens are random: a random
-replica's next-token distribution is close to uniform, so they stand for sampled ones. Prints the k3 KL estimate
-and the mean and largest |log p_bf16 - log p_fp32| over the 48 completion tokens: the floor a correct bf16
-implementation of that replica keeps from fp32, which the serving stages' limits scale with. ``--completion`` scores
+three rows (two 8-token prompts and one of 65, each with ``--completion`` completion tokens, 16 by default: the rows
+``train_inference_mismatch`` scored when it sampled 48 tokens) with the streamed transformers reference in fp32 and
+in bf16. The completion tokens are random: a random replica's next-token distribution is close to uniform, so they
+stand for sampled ones. Prints the k3 KL estimate and the mean and largest |log p_bf16 - log p_fp32| over the
+completion tokens: the floor a correct bf16 implementation of that replica keeps from fp32, which the serving
+stages' limits scale with. ``--completion`` scores
 more tokens per row; each ``--draw N`` then also reports the figures of each disjoint draw of N of them (their smallest
 and largest): how far one draw of N tokens can be from another, i.e. how steady a calibration on N tokens is.
 """
@@ -41,6 +42,8 @@ def main() -> None:
         "--draw", type=int, action="append", default=[], help="also the figures of disjoint draws of this many tokens"
     )
     args = parser.parse_args()
+    if any(n > len(PROMPTS) * args.completion for n in args.draw):
+        parser.error(f"--draw: at most the {len(PROMPTS) * args.completion} tokens scored (--completion per row)")
     if not (args.out / "config.json").exists():
         raw = json.loads((CONFIGS / args.config).read_text())
         build_replica(raw, args.out, layers=args.layers, experts=None, dtype=torch.bfloat16, device=args.device,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model_support.validation.serving_session import compared_dtype
+from model_support.validation.serving_session import compared_dtype, runs_below_fp32
 from model_support.validation.stages.train_inference_mismatch import art_figures, mismatch, mismatch_tolerance
 
 
@@ -79,3 +79,6 @@ def test_a_comparison_is_held_to_the_lower_precision_of_the_server_and_the_train
     assert compared_dtype(ctx("bf16"), "float32") == "bfloat16"  # an fp32 server on the CPU build, a bf16 trainer
     assert compared_dtype(ctx("fp32"), "bfloat16") == "bfloat16"
     assert compared_dtype(ctx("fp32"), "float32") == "float32"
+    # How many of the two run below fp32: the server vs trainer limits allow each its own drift.
+    assert runs_below_fp32(ctx("bf16"), "float32") == 1 and runs_below_fp32(ctx("fp32"), "bfloat16") == 1
+    assert runs_below_fp32(ctx("bf16"), "bfloat16") == 2 and runs_below_fp32(ctx("fp32"), "float32") == 0

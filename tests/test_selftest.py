@@ -14,9 +14,10 @@ from model_support.validation import selftest, selftest_runner
 from tests.helpers import run_cli
 from tests.megatron.conftest import require_megatron
 
-# rl_trainability's planted bugs (the pushed weights sliced wrong, the weight version never set) have their own
-# test with their metrics: tests/serving/test_rl_trainability.py.
-PLANTED_ELSEWHERE = ("rl_trainability",)
+# rl_trainability's planted bugs (the pushed weights sliced wrong, the weight version never set) and
+# train_inference_mismatch's (the trainer's samples scored as one sequence) have their own tests with their metrics:
+# tests/serving/test_rl_trainability.py, tests/serving/test_train_inference_mismatch.py.
+PLANTED_ELSEWHERE = ("rl_trainability", "train_inference_mismatch")
 
 
 def _first_bug_of_each_stage() -> list[selftest.Mutation]:

@@ -775,6 +775,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              _base_left_trainable),
     Mutation("packed-boundaries-ignored", "a packed row is one sequence (position ids do not restart)", "qwen3",
              "packed_position_ids", _boundaries_ignored),
+    Mutation("samples-scored-as-one-sequence", "the trainer scores its packed row of sampled sequences as one "
+             "sequence (positions and attention run across them)", "qwen3", "train_inference_mismatch",
+             _boundaries_ignored, needs_server=True, dtype="bf16"),
     Mutation("recompute-loses-row-layout", "a packed row's layout is off the layers when the backward recomputes "
              "them", "qwen3", "packed_position_ids", _recompute_loses_row_layout),
     # shared_prefix's own catch of the bug above, by its short-prompt rows: after a 4096-token prompt at Qwen3-30B-A3B

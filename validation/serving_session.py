@@ -89,6 +89,12 @@ def compared_dtype(ctx: CheckContext, served: str) -> str:
     return served if served != "float32" else VLLM_DTYPES[ctx.training_dtype]
 
 
+def runs_below_fp32(ctx: CheckContext, served: str) -> int:
+    """How many of the server (serving ``served``) and the trainer run below fp32: each may drift its own allowance
+    from fp32, so a comparison of the two may drift by their sum."""
+    return sum(dtype != "float32" for dtype in (served, VLLM_DTYPES[ctx.training_dtype]))
+
+
 # vLLM's default share of a GPU (90 %) leaves the check's Megatron model on the same GPU no room: on a GPU a
 # server takes the checkpoint's size and this much more for its activations, KV cache and LoRA slots.
 GPU_SERVER_ALLOWANCE_BYTES = 8 << 30

@@ -8,18 +8,20 @@ from __future__ import annotations
 import pytest
 
 from model_support.validation.pytest_plugin import CheckRequest, run_check
-from model_support.validation.selftest import injected
+from model_support.validation.selftest import injected, mutation_named
 from tests.megatron.conftest import require_megatron
 
 
 @pytest.mark.slow
 def test_a_trainer_that_scores_a_packed_row_as_one_sequence_fails_its_own_comparison(runtime, tmp_path):
     require_megatron()
-    # A bf16 trainer beside the CPU build's fp32 server. The planted bug: the trainer's packed row of the four
-    # sampled sequences is one sequence to its layers (attention and positions run across the boundaries); the
-    # server and transformers score each on its own.
-    request = CheckRequest(target="qwen3", tiny=True, stages=("train_inference_mismatch",), alone=True, dtype="bf16")
-    with injected("packed-boundaries-ignored"):
+    # The selftest's run of the catalogue's bug (a bf16 trainer beside the CPU build's fp32 server): the trainer's
+    # packed row of the four sampled sequences is one sequence to its layers (attention and positions run across
+    # the boundaries); the server and transformers score each on its own.
+    bug = mutation_named("samples-scored-as-one-sequence")
+    assert (bug.handler, bug.stage, bug.dtype) == ("qwen3", "train_inference_mismatch", "bf16")
+    request = CheckRequest(target=bug.handler, tiny=True, stages=(bug.stage,), alone=True, dtype=bug.dtype)
+    with injected(bug.name):
         report = run_check(request, tmp_path)
     (result,) = report.results
     metrics, limits = result.metrics, result.thresholds

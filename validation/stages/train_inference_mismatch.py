@@ -187,8 +187,7 @@ class TrainInferenceMismatchStage(Stage):
                 metrics |= art_figures(served, ours, tops, at)
         metrics |= {f"megatron_hf_{k}": v for k, v in mismatch(scored[""] - scored["hf_"]).items()}
         reference, dtype = None, session.compared_dtype(ctx, server.options.dtype)
-        # How many of server and trainer run below fp32: each may drift its own allowance from fp32.
-        sides = 2 if server.options.dtype != "float32" and ctx.training_dtype != "fp32" else 1
+        sides = max(1, session.runs_below_fp32(ctx, server.options.dtype))
         if dtype != "float32":  # transformers' own run in that dtype against its fp32 run
             low = session.trainer_logprobs(ctx, adapter, sequences, getattr(torch, dtype))
             own = mismatch(sampled(low) - scored["hf_"])
