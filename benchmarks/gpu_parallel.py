@@ -213,8 +213,12 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['case']} | - | {r.get('summary', 'exit ' + str(r['exit']))} | | {r['seconds']} | {peak} |"
             )
+        if "fp32.noise.logits_max_abs" in metrics:  # the fp32 maxima's calibration (parallel_parity.fp32_noise)
+            noise = ", ".join(f"{k} {metrics[f'fp32.noise.{k}']:.3g}" for k in ("logits_max_abs", "logprobs_max_abs"))
+            lines.append(f"| {r['case']} | (transformers' fp32 from single) | {noise} | | | |")
         for name in layouts:
             fp32 = ", ".join(f"{metrics.get(f'{name}.{k}', '-'):.3g}" for k in SHOWN)
+            fp32 += f", log-probs {metrics.get(f'{name}.logprobs_max_abs_err', float('nan')):.3g}"
             bf16 = ", ".join(
                 f"{metrics[f'{name}.bf16.{k}']:.3g} ({metrics.get(f'bf16.noise.{k}', 0) * 2:.3g})"
                 for k in SHOWN_BF16

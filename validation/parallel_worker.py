@@ -10,12 +10,13 @@ for the layout, two micro-batches), reduces the gradients as a trainer does (``a
 SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, the whole model's
 LoRA gradient norm (``api.lora_grad_norm``), each router's top-k expert sets (every token, in sequence order), the
 PEFT adapter the handler's codec exports before and after the step, the merged HF weights after it
-(``api.merged_weights``), and, on the adapter before the step, the logits of shared-prefix rows (a prompt and
-three completions each; not under context parallelism, which needs THD attention for packed rows) and the trainer's
-scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are from rank 0's; and
-the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout). fp32 runs are
-eager (:func:`model_support.core.precision.eager_only`), bf16 runs compile what megatron-core compiles.
-``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other layout with. A
+(``api.merged_weights``), the step's tokens, and, on the adapter before the step, the logits of shared-prefix rows
+(a prompt and three completions each; not under context parallelism, which needs THD attention for packed rows) and
+the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are from
+rank 0's; and the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout). fp32
+runs are eager (:func:`model_support.core.precision.eager_only`), bf16 runs compile what megatron-core compiles.
+``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other layout with; in
+fp32 it also exports its adapter before the step (``OUT/single.adapter``), for transformers' run of its rows. A
 rank's error goes to ``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
 """
 
@@ -53,6 +54,8 @@ BATCH = 2
 # Sequence lengths are a multiple of every tensor- and context-parallel split tried (2 x cp x tp, at most 16).
 SPLIT = 16
 MICRO_BATCHES = 2  # more than one, so a pipeline schedule interleaves them
+# The fp32 single-rank run's adapter (before the step), as PEFT writes it, under OUT.
+ORACLE_ADAPTER = "single.adapter"
 SHARED_ROW = (10, (6, 4, 6))  # a prompt and its completions in one row (26 tokens: even, for TP)
 # A rank that stalls without raising (a deadlock, a lost peer) fails its collectives after this; the longest
 # legitimate wait is a peer building its model (a real-width pipeline stage loading from disk).
@@ -213,6 +216,8 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
     fresh = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
     load_lora_state(chunks, random_lora_state(chunks, seed=SEED, b_std=0.05))
     before = handler.spec.codec.to_peft(lora_state(chunks), model.config, model.layout)
+    if token == "single":  # the stage runs transformers' fp32 model on the oracle's rows with this adapter
+        api.export_adapter(model, out_dir / ORACLE_ADAPTER)
     # The forward-only rows run on the adapter every layout shares, before the step: after it each layout's adapter
     # carries its own gradients' round-off (held to the gradient limits), which a real-width model's packed rows
     # carry on to their logits at 1e-4.
@@ -260,7 +265,7 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
     topk = _stage_results(topk)
     merged = {name: tensor for bucket in api.merged_weights(model) for name, tensor in bucket.items()}
     if dist.get_rank() == 0:
-        tensors = {"logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
+        tensors = {"tokens": tokens, "logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}
         tensors |= topk | {f"merged.{k}": v for k, v in merged.items()} | {f"fresh.{k}": v for k, v in fresh.items()}
         tensors |= scored | {"grads_rounded_to_bf16": rounded, "grad_norm": grad_norm}

@@ -1,5 +1,6 @@
 """`parallel_parity`: every default layout of a dense and an MoE handler matches the single-rank model (one torchrun
-job of gloo processes per handler), and a malformed --layouts is a one-line error."""
+job of gloo processes per handler), its fp32 maxima calibrated by transformers' fp32 run of the same rows, and a
+malformed --layouts is a one-line error."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def test_default_layouts_match_the_single_rank_model(handler: str, layouts: tupl
     for name in layouts:
         for key, limit in LIMITS.items():
             assert metrics[f"{name}.{key}"] <= limit, (name, key, metrics[f"{name}.{key}"])
+    # transformers' fp32 model on the oracle's rows (its adapter merged, an MoE model's routing replayed) lands within
+    # the tiny replicas' fixed maxima, so the fixed limits stand; a replay of the wrong experts would be off by O(1).
+    assert 0 < metrics["fp32.noise.logits_max_abs"] < 5e-5, metrics["fp32.noise.logits_max_abs"]
+    assert 0 < metrics["fp32.noise.logprobs_max_abs"] < 5e-5, metrics["fp32.noise.logprobs_max_abs"]
+    for name in layouts:
+        assert metrics[f"{name}.transformers_logits_max_abs"] < 1e-4
     if handler.endswith("moe"):  # every router's top-k sets compared, none differ
         assert metrics["router_topk_mismatches"] == 0
     else:
@@ -128,6 +135,27 @@ def test_merged_bf16_tensors_are_compared_beyond_one_rounding():
     assert beyond_rounding(x, (x.float() + torch.tensor([0, 3e-3, 0, 0])).bfloat16()) > 2e-3
     # fp32: the plain distance
     assert beyond_rounding(torch.tensor([1.0]), torch.tensor([1.0 + 2**-20])) == 2**-20
+
+
+def test_fp32_noise_is_transformers_distance_in_logits_and_next_token_logprobs():
+    import torch
+
+    from model_support.validation.stages.parallel_parity import fp32_noise
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 11, generator=gen)
+    tokens = torch.randint(0, 11, (2, 6), generator=gen)
+    reference = logits.clone()
+    reference[1, 2, tokens[1, 3]] += 3e-4  # the logit of the token after position 2
+    noise = fp32_noise({"logits": logits, "tokens": tokens}, reference)
+    assert noise["logits_max_abs"] == pytest.approx(3e-4, rel=1e-3)
+    # the token's log-probability moves by 3e-4 less its share of the normaliser
+    share = torch.softmax(reference[1, 2].double(), -1)[tokens[1, 3]].item()
+    assert noise["logprobs_max_abs"] == pytest.approx(3e-4 * (1 - share), rel=1e-2)
+    # a difference at the last position (no next token) moves the logits only
+    later = logits.clone()
+    later[0, 5, 0] += 1.0
+    assert fp32_noise({"logits": logits, "tokens": tokens}, later)["logprobs_max_abs"] == 0
 
 
 def test_a_parameter_held_in_another_dtype_on_some_rank_is_counted_and_named():
