@@ -40,8 +40,14 @@ RESULTS = "results.jsonl"
 SHARDS = ("tensor_parallel", "expert_parallel", "expert_tensor_parallel")
 # A collective's peers may be a whole real-width layer apart: a rank streams the fp32 reference while another waits.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
-# The share of a GPU the sharded weights may take: the rest holds the fp32 reference's layer, activations and LoRA.
-WEIGHTS_SHARE = 0.8
+# The share of a GPU the estimate (memory_per_rank) may take: the rest is the CUDA context, NCCL's buffers and the
+# caching allocator's slack.
+MEMORY_SHARE = 0.9
+# How many fp32 copies of the long row's logits the Megatron stages hold at once on the busiest rank (the model's,
+# the oracle's, their log-softmax and gradients, the comparison's blocks): the peaks of `check --parallel ep4` at
+# 4096 tokens less the other terms of memory_per_rank were 11.2 (Qwen3-30B-A3B width, 4 layers), 11.8 (its 48
+# layers) and 12.2 (GLM-4.5-Air width, 4 layers) such copies (docs/gpu-validation.md).
+LOGIT_COPIES = 13
 
 
 class ParallelCheckError(ModelSupportError):
@@ -79,6 +85,37 @@ def weights_per_rank(ctx: CheckContext, layout: ParallelLayout) -> int:
     return int(total)
 
 
+def memory_per_rank(ctx: CheckContext, layout: ParallelLayout) -> dict[str, int]:
+    """Bytes the busiest rank holds at its peak in ``layout``, by part: the sharded weights
+    (:func:`weights_per_rank`); the fp32 oracle's largest decoder layer, and its embedding and head, which it holds
+    whole while it streams; ``LOGIT_COPIES`` fp32 copies of the long row's logits."""
+    import re
+
+    from model_support.core.checkpoint import stored_tensors
+    from model_support.core.layout import REAL_WIDTH_LONG_ROW, long_row_length, text_config
+
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for name, (_path, shape, _dtype) in stored_tensors(ctx.model_dir).items():
+        if "visual" in name or "vision" in name:  # a multimodal checkpoint's tower: neither model under test holds it
+            continue
+        layer = re.search(r"layers\.(\d+)\.", name)
+        if layer:
+            per_layer[int(layer.group(1))] = per_layer.get(int(layer.group(1)), 0) + math.prod(shape)
+        elif len(shape) > 1:
+            outside += math.prod(shape)
+    row = long_row_length(ctx.config, ctx.layout, floor=REAL_WIDTH_LONG_ROW)
+    return {
+        "weights": weights_per_rank(ctx, layout),
+        "the oracle's fp32 layer": 4 * max(per_layer.values(), default=0),
+        "its embedding and head": 4 * outside,
+        f"{LOGIT_COPIES} copies of a {row}-token row's logits": LOGIT_COPIES
+        * 4
+        * row
+        * int(text_config(ctx.config).vocab_size),
+    }
+
+
 def refuse_layout(spec: HandlerSpec, layout: ParallelLayout) -> None:
     """A :class:`ParallelCheckError` line when ``check --parallel`` cannot run ``layout`` here: under another
     launcher, a kind of parallelism the stages do not shard, a handler's refusal, more ranks than GPUs (or CPU
@@ -109,17 +146,18 @@ def refuse_layout(spec: HandlerSpec, layout: ParallelLayout) -> None:
 
 
 def refuse_memory(ctx: CheckContext, layout: ParallelLayout) -> None:
-    """A :class:`ParallelCheckError` line, before anything is built, when the checkpoint's weights sharded in
-    ``layout`` (:func:`weights_per_rank`) take more than ``WEIGHTS_SHARE`` of a GPU."""
+    """A :class:`ParallelCheckError` line, before anything is built, when the busiest rank's estimate
+    (:func:`memory_per_rank`) takes more than ``MEMORY_SHARE`` of the smallest GPU the layout runs on."""
     memory = gpu_memory()[: layout.model_parallel]
     if not memory:
         return
-    need, have = weights_per_rank(ctx, layout), min(memory)
-    if need > WEIGHTS_SHARE * have:
+    parts, have = memory_per_rank(ctx, layout), min(memory)
+    need = sum(parts.values())
+    if need > MEMORY_SHARE * have:
+        shown = ", ".join(f"{part} {size / 2**30:.1f}" for part, size in parts.items())
         raise ParallelCheckError(
-            f"--parallel {layout.name}: each GPU would hold about {need / 2**30:.1f} GiB of weights, more than "
-            f"{WEIGHTS_SHARE:.0%} of its {have / 2**30:.1f} GiB (the rest holds the oracle's layer and "
-            "activations): shard it over more GPUs (a larger tp or ep)"
+            f"--parallel {layout.name}: each GPU would need about {need / 2**30:.1f} GiB ({shown}), more than "
+            f"{MEMORY_SHARE:.0%} of its {have / 2**30:.1f} GiB: shard it over more GPUs (a larger tp or ep)"
         )
 
 

@@ -96,3 +96,63 @@ def test_a_layout_the_check_cannot_shard_is_refused_in_one_line(layout, env, mes
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
+
+
+# Peaks of `check --parallel ep4` on GPUs (GB; docs/gpu-validation.md): the 48-layer Qwen3-30B-A3B width (used,
+# nvidia-smi), its 4 layers and a 4-layer GLM-4.5-Air width (allocated, rank 0).
+MEASURED_PEAKS = [("qwen3-moe", 48, 51.9), ("qwen3-moe", 4, 35.4), ("glm4-moe", 4, 51.7)]
+GLM_PLUGIN = Path(__file__).parents[2] / "plugins" / "model-support-glm4-moe" / "src"
+
+
+def _replica_context(monkeypatch: pytest.MonkeyPatch, handler: str, layers: int):
+    """A check context for ``handler``'s reference config at ``layers`` layers (bf16), its checkpoint's tensors the
+    transformers model's parameters (names and shapes; nothing written)."""
+    import json
+    from types import SimpleNamespace
+
+    import transformers
+
+    from model_support.core import checkpoint
+    from model_support.core.meta_model import build_meta_model
+    from model_support.core.registry import load_registry
+    from model_support.core.replica import replica_config
+
+    if handler == "glm4-moe":
+        monkeypatch.syspath_prepend(str(GLM_PLUGIN))
+        from model_support_glm4_moe.handler import GLM4_MOE as spec
+    else:
+        spec = load_registry().get(handler).spec
+    raw = replica_config(json.loads(spec.reference_config.read_text()), layers=layers, experts=None, dtype="bfloat16")
+    config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    shapes = {name: (Path(), tuple(p.shape), "BF16") for name, p in build_meta_model(config).named_parameters()}
+    monkeypatch.setattr(checkpoint, "stored_tensors", lambda _model_dir: shapes)
+    return SimpleNamespace(model_dir=Path(), config=config, layout=spec.layout(config), training_dtype="bf16")
+
+
+@pytest.mark.parametrize(("handler", "layers", "measured_gb"), MEASURED_PEAKS)
+def test_the_memory_estimate_covers_the_peaks_measured_on_gpus(monkeypatch, handler, layers, measured_gb) -> None:
+    from model_support.core.parallel import ParallelLayout
+    from model_support.validation.parallel_check import memory_per_rank
+
+    parts = memory_per_rank(_replica_context(monkeypatch, handler, layers), ParallelLayout.parse("ep4"))
+    estimate = sum(parts.values()) / 1e9
+    assert measured_gb <= estimate <= 1.15 * measured_gb, parts
+
+
+def test_a_layout_the_gpus_cannot_hold_is_refused_naming_the_estimate(monkeypatch) -> None:
+    """The whole GLM-4.5-Air (46 layers, 106.9B) in ep4: 59.8 GiB of weights a GPU, under 80 % of an H100, but with the
+    oracle's fp32 layer and the long row's logits it needs more than an H100 holds; four H200s hold it."""
+    from model_support.core.parallel import ParallelLayout
+    from model_support.validation import parallel_check
+
+    ctx = _replica_context(monkeypatch, "glm4-moe", 46)
+    ep4 = ParallelLayout.parse("ep4")
+    monkeypatch.setattr(parallel_check, "gpu_memory", lambda: [81559 * 2**20] * 4)  # H100 80GB HBM3
+    with pytest.raises(parallel_check.ParallelCheckError) as refused:
+        parallel_check.refuse_memory(ctx, ep4)
+    line = str(refused.value)
+    assert line.startswith("--parallel ep4: each GPU would need about 10") and "\n" not in line
+    assert "weights 59.8, the oracle's fp32 layer 8.7, its embedding and head 4.6, 13 copies of a 4096-token" in line
+    assert line.endswith("more than 90% of its 79.6 GiB: shard it over more GPUs (a larger tp or ep)")
+    monkeypatch.setattr(parallel_check, "gpu_memory", lambda: [143771 * 2**20] * 4)  # H200
+    parallel_check.refuse_memory(ctx, ep4)
