@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from model_support.core.environment import environment
 
 # Triton's default precision of tl.dot on float32 operands; read when a kernel compiles and part of its cache key.
 TRITON_FP32_DEFAULT = "TRITON_F32_DEFAULT"
@@ -26,18 +27,13 @@ def exact_fp32(enabled: bool = True) -> Iterator[None]:
         yield
         return
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    triton_default = os.environ.get(TRITON_FP32_DEFAULT)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    os.environ[TRITON_FP32_DEFAULT] = "ieee"
     try:
-        yield
+        with environment(**{TRITON_FP32_DEFAULT: "ieee"}):
+            yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-        if triton_default is None:
-            os.environ.pop(TRITON_FP32_DEFAULT, None)
-        else:
-            os.environ[TRITON_FP32_DEFAULT] = triton_default
 
 
 @contextmanager

@@ -44,7 +44,7 @@ from model_support.core.megatron.names import global_name
 from model_support.core.megatron.rows import RowLayout
 from model_support.core.precision import eager_only, exact_fp32
 from model_support.core.registry import load_registry
-from model_support.kernels.tuning import settle_fla_kernels
+from model_support.kernels.tuning import settled_fla_kernels
 from model_support.validation import ranks
 from model_support.validation.selftest import injected
 
@@ -313,9 +313,10 @@ def run(args: argparse.Namespace) -> None:
     """This rank's part of every layout in ``args.layouts``, in order; the first error ends this rank (exit 1,
     see :func:`_fail`), and with it the job."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    # The layouts are compared with each other, not timed: every tensor-parallel split would tune fla's kernels anew.
-    settle_fla_kernels(args.out_dir / "fla-configs")
     with contextlib.ExitStack() as stack:
+        # The layouts are compared with each other, not timed: every tensor-parallel split would tune fla's kernels
+        # anew.
+        stack.enter_context(settled_fla_kernels(args.out_dir / "fla-configs"))
         stack.enter_context(exact_fp32())  # the layouts are built in fp32 and held to fixed fp32 tolerances
         if args.mutation:
             stack.enter_context(injected(args.mutation))

@@ -253,14 +253,18 @@ def run_checks(
     is a progress step while it runs (``core/progress.py``: shown by the ``check`` command); ``on_result`` gets its
     result when it ends.
     """
+    from model_support.kernels.tuning import settled_fla_kernels
+
     report = new_report(ctx)
     done: dict[str, StageResult] = {}
     planned = {stage.name for stage in stages}
     misdeclared: dict[str, str] = {}  # stage -> the declaration error its prepare raised
     origins = stage_origins(ctx)
     try:
-        # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math).
-        with exact_fp32(ctx.dtype == "fp32"):
+        # An fp32 check is held to fixed fp32 tolerances: no TF32 on the GPU (bf16 keeps the trainer's math). A
+        # verdict does not depend on which tile setting a kernel runs: on a GPU, fla's kernels take the shipped
+        # settings for shapes they hold none for instead of autotuning each (minutes on a fresh GPU).
+        with exact_fp32(ctx.dtype == "fp32"), settled_fla_kernels(ctx.workdir / "fla-configs"):
             for index, stage_cls in enumerate(stages):
                 # Before each stage, the stages still to run may start background work (again: what an earlier
                 # stage built, such as a trained adapter, may let them start more).

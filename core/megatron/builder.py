@@ -17,7 +17,6 @@ import contextlib
 import copy
 import functools
 import importlib
-import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from model_support.core.checkpoint import TextCheckpoint
+from model_support.core.environment import environment
 from model_support.core.errors import ModelSupportError
 from model_support.core.layout import text_config
 from model_support.core.megatron.dist import ParallelLayout, device, init_parallel
@@ -375,15 +375,8 @@ def _te_attention_env_kept() -> Iterator[None]:
     and then sets them; one family's provider (Gemma 3: flash) would then refuse to build after another's (auto), in
     one process or in the processes it starts. The local spec runs no transformer-engine attention either way.
     """
-    saved = {name: os.environ.pop(name, None) for name in _TE_ATTENTION_ENV}
-    try:
+    with environment(**dict.fromkeys(_TE_ATTENTION_ENV)):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _embedding_output_takes_grad(chunk: torch.nn.Module) -> None:

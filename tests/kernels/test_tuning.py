@@ -108,6 +108,37 @@ def test_the_shipped_settings_cover_kernels_in_fla_s_format() -> None:
 def test_settling_fla_kernels_changes_nothing_without_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    assert tuning.settle_fla_kernels(tmp_path / "fla") == 0
-    assert "FLA_CACHE_MODE" not in os.environ
+    with tuning.settled_fla_kernels(tmp_path / "fla") as settled:
+        assert settled == 0
+        assert "FLA_CACHE_MODE" not in os.environ
     assert not (tmp_path / "fla").exists()
+
+
+def test_settled_fla_kernels_take_the_shipped_settings_while_open_and_fla_its_own_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an H100 (capability faked: fla's kernels are not run here): fla's config files hold every shipped entry while
+    open, fla's config cache reads them loosely, and afterwards the environment (and an imported fla) is as it was."""
+    import sys
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda: (9, 0))
+    monkeypatch.setenv("FLA_CACHE_MODE", "strict")
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+
+    class Mode(SimpleNamespace):  # fla.ops.utils.cache.FlaCacheMode's one method used here
+        @staticmethod
+        def from_env() -> str:
+            return os.environ.get("FLA_CACHE_MODE", "disabled")
+
+    fla_cache = SimpleNamespace(FlaCacheMode=Mode, FLA_CACHE_MODE="strict")
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", fla_cache)
+    shipped = json.loads((tuning.TUNED_DIR / "sm90.json").read_text())["entries"]
+    with tuning.settled_fla_kernels(tmp_path / "fla") as settled:
+        assert settled == len(tuning.fla_config_files(shipped)) > 0
+        assert os.environ["FLA_CACHE_MODE"] == "fuzzy" and os.environ["FLA_CONFIG_DIR"] == str(tmp_path / "fla")
+        assert fla_cache.FLA_CACHE_MODE == "fuzzy"
+        assert len(list((tmp_path / "fla").glob("*.json"))) == settled
+    assert os.environ["FLA_CACHE_MODE"] == "strict" and "FLA_CONFIG_DIR" not in os.environ
+    assert fla_cache.FLA_CACHE_MODE == "strict"
