@@ -1,9 +1,12 @@
-"""fp32 arithmetic at fp32 precision on a GPU, for comparisons held to fixed fp32 tolerances."""
+"""What a comparison runs under on a GPU: fp32 arithmetic at fp32 precision (fixed fp32 tolerances), eager fp32
+arithmetic, fla's kernels on the shipped settings instead of autotuning."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -51,3 +54,32 @@ def eager_only(enabled: bool = True) -> Iterator[None]:
         return
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+@contextmanager
+def settled_fla_kernels(config_dir: Path) -> Iterator[int]:
+    """While open, fla's kernels in this process (and in the processes it starts) take this GPU's shipped settings
+    (``kernels/tuned``) instead of autotuning: fla's config cache in its fuzzy mode gives a kernel the setting of its
+    exact tuning key, else of one that differs in numbers only (head counts, lengths), never in dtypes or flags; a
+    kernel with no such entry tunes as before. Yields how many kernels have settings (0, and nothing changed, where
+    :func:`~model_support.kernels.tuning.write_fla_configs` writes none). For runs whose verdict does not depend on
+    which setting a kernel runs (a check); on leaving, fla takes its settings from the environment again."""
+    from model_support.kernels.tuning import write_fla_configs
+
+    count = write_fla_configs(config_dir)
+    if not count:
+        yield 0
+        return
+    try:
+        with environment(FLA_CONFIG_DIR=str(config_dir), FLA_CACHE_MODE="fuzzy"):
+            _fla_reads_environment()
+            yield count
+    finally:
+        _fla_reads_environment()
+
+
+def _fla_reads_environment() -> None:
+    """fla reads ``FLA_CACHE_MODE`` once, when it is imported: an imported fla takes the environment's again."""
+    cache = sys.modules.get("fla.ops.utils.cache")
+    if cache is not None:
+        cache.FLA_CACHE_MODE = cache.FlaCacheMode.from_env()

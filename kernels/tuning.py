@@ -15,9 +15,10 @@ the result stays in Triton's cache for the next run. ``MODEL_SUPPORT_TUNED_KERNE
 
 A run that compares results rather than timing kernels (``parallel_parity``'s layouts: each tensor-parallel split
 is a new head count, each a new tuning key for every kernel, in fp32 and in bf16) need not tune at all:
-:func:`settled_fla_kernels` hands the same entries to fla's own config cache (``FLA_CACHE_MODE=fuzzy``), where a
-kernel takes the setting of a shipped entry whose key differs from its own in numbers only (head counts, lengths),
-never in dtypes or flags.
+:func:`model_support.core.precision.settled_fla_kernels` hands the same entries to fla's own config cache
+(``FLA_CACHE_MODE=fuzzy``), where a kernel takes the setting of a shipped entry whose key differs from its own in
+numbers only (head counts, lengths), never in dtypes or flags; :func:`write_fla_configs` writes them as fla reads
+them. A check runs every stage so.
 """
 
 from __future__ import annotations
@@ -25,13 +26,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-from model_support.core.environment import environment
 
 TUNED_DIR = Path(__file__).with_name("tuned")
 ENTRY_GLOB = "*/*.autotune.json"
@@ -114,38 +110,22 @@ def fla_config_files(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return files
 
 
-@contextmanager
-def settled_fla_kernels(config_dir: Path) -> Iterator[int]:
-    """While open, fla's kernels in this process (and in the processes it starts) take this GPU's shipped settings by
-    loose key match instead of autotuning (see the module's docstring; fla tries an exact key first); yields how many
-    kernels have settings (0, and nothing changed, without CUDA, a shipped file, or with
-    ``MODEL_SUPPORT_TUNED_KERNELS=0``). A kernel with no shipped entry tunes as before. For runs whose verdict does
-    not depend on which setting a kernel runs; on leaving, fla reads its own settings from the environment again."""
+def write_fla_configs(config_dir: Path) -> int:
+    """Write this GPU's shipped settings into ``config_dir`` as fla's config files (:func:`fla_config_files`); returns
+    how many kernels have settings (0, and nothing written, without CUDA, a shipped file, or with
+    ``MODEL_SUPPORT_TUNED_KERNELS=0``). fla reads them where ``FLA_CONFIG_DIR`` names the folder
+    (:func:`model_support.core.precision.settled_fla_kernels`)."""
     import torch
 
     if os.environ.get("MODEL_SUPPORT_TUNED_KERNELS", "1") == "0" or not torch.cuda.is_available():
-        yield 0
-        return
+        return 0
     shipped = TUNED_DIR / tuned_file_name(torch.cuda.get_device_capability())
     if not shipped.exists():
-        yield 0
-        return
+        return 0
     files = fla_config_files(json.loads(shipped.read_text())["entries"])
     config_dir.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
         partial = config_dir / f".{name}.{os.getpid()}.tmp"  # several ranks may write the same files
         partial.write_text(json.dumps(content))
         partial.replace(config_dir / name)
-    try:
-        with environment(FLA_CONFIG_DIR=str(config_dir), FLA_CACHE_MODE="fuzzy"):
-            _fla_reads_environment()
-            yield len(files)
-    finally:
-        _fla_reads_environment()
-
-
-def _fla_reads_environment() -> None:
-    """fla reads ``FLA_CACHE_MODE`` once, when it is imported: an imported fla takes the environment's again."""
-    cache = sys.modules.get("fla.ops.utils.cache")
-    if cache is not None:
-        cache.FLA_CACHE_MODE = cache.FlaCacheMode.from_env()
+    return len(files)

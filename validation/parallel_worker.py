@@ -42,9 +42,8 @@ from model_support.core.megatron.forward import MicroBatch
 from model_support.core.megatron.lora import load_lora_state, lora_modules, lora_state, random_lora_state
 from model_support.core.megatron.names import global_name
 from model_support.core.megatron.rows import RowLayout
-from model_support.core.precision import eager_only, exact_fp32
+from model_support.core.precision import eager_only, exact_fp32, settled_fla_kernels
 from model_support.core.registry import load_registry
-from model_support.kernels.tuning import settled_fla_kernels
 from model_support.validation import ranks
 from model_support.validation.selftest import injected
 

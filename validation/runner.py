@@ -17,7 +17,7 @@ from typing import Any
 
 from model_support.core import progress, timing
 from model_support.core.errors import ModelSupportError
-from model_support.core.precision import exact_fp32
+from model_support.core.precision import exact_fp32, settled_fla_kernels
 from model_support.validation.context import CheckContext
 from model_support.validation.memory import MemoryProbe
 from model_support.validation.stage import Stage, StageResult, Status
@@ -253,8 +253,6 @@ def run_checks(
     is a progress step while it runs (``core/progress.py``: shown by the ``check`` command); ``on_result`` gets its
     result when it ends.
     """
-    from model_support.kernels.tuning import settled_fla_kernels
-
     report = new_report(ctx)
     done: dict[str, StageResult] = {}
     planned = {stage.name for stage in stages}

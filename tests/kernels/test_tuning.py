@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from model_support.core.precision import settled_fla_kernels
 from model_support.kernels import tuning
 
 
@@ -108,7 +109,7 @@ def test_the_shipped_settings_cover_kernels_in_fla_s_format() -> None:
 def test_settling_fla_kernels_changes_nothing_without_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with tuning.settled_fla_kernels(tmp_path / "fla") as settled:
+    with settled_fla_kernels(tmp_path / "fla") as settled:
         assert settled == 0
         assert "FLA_CACHE_MODE" not in os.environ
     assert not (tmp_path / "fla").exists()
@@ -135,7 +136,7 @@ def test_settled_fla_kernels_take_the_shipped_settings_while_open_and_fla_its_ow
     fla_cache = SimpleNamespace(FlaCacheMode=Mode, FLA_CACHE_MODE="strict")
     monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", fla_cache)
     shipped = json.loads((tuning.TUNED_DIR / "sm90.json").read_text())["entries"]
-    with tuning.settled_fla_kernels(tmp_path / "fla") as settled:
+    with settled_fla_kernels(tmp_path / "fla") as settled:
         assert settled == len(tuning.fla_config_files(shipped)) > 0
         assert os.environ["FLA_CACHE_MODE"] == "fuzzy" and os.environ["FLA_CONFIG_DIR"] == str(tmp_path / "fla")
         assert fla_cache.FLA_CACHE_MODE == "fuzzy"
