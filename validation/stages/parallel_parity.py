@@ -91,8 +91,12 @@ class ParallelParityStage(Stage):
     rank's rows within that of rank 0's, the first pipeline stage included), and ``api.token_logprobs`` under
     ``api.lora_disabled`` (the reference policy: the oracle's, and the same layout's with every LoRA B zeroed). The
     forward and backward run through megatron-core's own schedules (1F1B, interleaved over virtual stages) in two
-    micro-batches. Layouts come from ``check --layouts`` (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2,
-    etp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-sp-ep2, ep2-pp2); a layout the handler refuses
+    micro-batches. The fp32 maxima of the forward (logits, the shared-prefix row, the log-probs) are held to the larger
+    of their fixed limit and twice how far transformers' fp32 model lands from the single-rank model on its step rows
+    (``fp32.noise.*``; its adapter merged, an MoE model's routing replayed): two correct fp32 implementations differ
+    by their reductions' round-off, which grows with the model's width. Layouts come from ``check --layouts``
+    (default: tp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-pp2; MoE: ep2, etp2, tp2-sp, pp2, pp2-vp2, cp2, tp2-sp-ep2,
+    ep2-pp2); a layout the handler refuses
     (``RuntimePolicy.parallel_limits``) or the model cannot be split into (layers per pipeline chunk) is named with its
     reason instead. A tiny replica keeps the fewest layers that hold every layer kind (CI checks every family this way),
     so ``pp2-vp2`` (four chunks) is checked on the four-layer GDN replicas and named as not checked on two-layer ones;
