@@ -158,6 +158,33 @@ def test_fp32_noise_is_transformers_distance_in_logits_and_next_token_logprobs()
     assert fp32_noise({"logits": logits, "tokens": tokens}, later)["logprobs_max_abs"] == 0
 
 
+def test_transformers_replays_the_oracles_decoder_routing_row_after_row(monkeypatch, tmp_path):
+    import torch
+
+    from model_support.core.megatron import hf_reference
+    from model_support.validation import megatron_session
+    from model_support.validation.stages.parallel_parity import transformers_logits
+
+    seen = {}
+
+    class Reference:
+        def forward(self, tokens, *, adapter, replay):
+            seen["tokens"], seen["replay"] = tokens, replay
+            return type("Out", (), {"logits": torch.zeros(2, 3, 5)})()
+
+    monkeypatch.setattr(megatron_session, "hf_reference", lambda _ctx: Reference())
+    monkeypatch.setattr(hf_reference, "adapter_deltas", lambda _path: {})
+    # two decoder routers (layers 10 and 2: ordered by layer, not by name), two micro-batches of one row each, and an
+    # MTP layer's router, which transformers does not run
+    record = {f"topk.decoder.layers.{layer}.mlp.router.{i}": torch.full((1, 3, 2), 10 * layer + i) for layer in (10, 2)
+              for i in (1, 0)}  # fmt: skip
+    record["topk.mtp.layers.0.transformer_layer.mlp.router.0"] = torch.zeros(1, 3, 2, dtype=torch.long)
+    transformers_logits(None, {"tokens": torch.zeros(2, 3, dtype=torch.long), **record}, tmp_path)
+    first, second = seen["replay"]
+    assert first.shape == second.shape == (6, 2)
+    assert first[:3].eq(20).all() and first[3:].eq(21).all() and second[:3].eq(100).all() and second[3:].eq(101).all()
+
+
 def test_a_parameter_held_in_another_dtype_on_some_rank_is_counted_and_named():
     from model_support.validation.stages.parallel_parity import dtype_mismatches
 

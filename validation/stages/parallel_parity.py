@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from math import inf
@@ -418,9 +419,10 @@ def transformers_logits(ctx: CheckContext, oracle: dict[str, torch.Tensor], adap
 
     routers: dict[int, list[str]] = {}
     for key in oracle:
-        if key.startswith("topk."):  # topk.<router's single-rank name>.<micro-batch>
-            router = key.rpartition(".")[0]
-            routers.setdefault(int(router.split("layers.")[1].split(".")[0]), []).append(key)
+        # topk.decoder.layers.<layer>.<...>.<micro-batch>: the decoder's routers, which transformers runs (not MTP's)
+        layer = re.match(r"topk\.decoder\.layers\.(\d+)\.", key)
+        if layer:
+            routers.setdefault(int(layer[1]), []).append(key)
     # One [rows, S, k] record per micro-batch (one row each, in order) -> [B * S, k], the rows one after another.
     replay = [
         torch.cat([oracle[k] for k in sorted(keys, key=lambda k: int(k.rpartition(".")[2]))]).flatten(0, 1)
