@@ -137,7 +137,7 @@ def test_merged_bf16_tensors_are_compared_beyond_one_rounding():
     assert beyond_rounding(torch.tensor([1.0]), torch.tensor([1.0 + 2**-20])) == 2**-20
 
 
-def test_fp32_noise_is_transformers_distance_in_logits_and_next_token_logprobs():
+def test_fp32_noise_is_transformers_distance_in_logits_and_log_softmax_rows():
     import torch
 
     from model_support.validation.stages.parallel_parity import fp32_noise
@@ -146,16 +146,18 @@ def test_fp32_noise_is_transformers_distance_in_logits_and_next_token_logprobs()
     logits = torch.randn(2, 6, 11, generator=gen)
     tokens = torch.randint(0, 11, (2, 6), generator=gen)
     reference = logits.clone()
-    reference[1, 2, tokens[1, 3]] += 3e-4  # the logit of the token after position 2
+    reference[1, 2, 7] += 3e-4
     noise = fp32_noise({"logits": logits, "tokens": tokens}, reference)
     assert noise["logits_max_abs"] == pytest.approx(3e-4, rel=1e-3)
-    # the token's log-probability moves by 3e-4 less its share of the normaliser
-    share = torch.softmax(reference[1, 2].double(), -1)[tokens[1, 3]].item()
+    # the whole row's log-softmax, as the scoring calls return it: the raised entry moves by 3e-4 less its share of
+    # the normaliser, the others by that share
+    share = torch.softmax(reference[1, 2].double(), -1)[7].item()
     assert noise["logprobs_max_abs"] == pytest.approx(3e-4 * (1 - share), rel=1e-2)
-    # a difference at the last position (no next token) moves the logits only
-    later = logits.clone()
-    later[0, 5, 0] += 1.0
-    assert fp32_noise({"logits": logits, "tokens": tokens}, later)["logprobs_max_abs"] == 0
+    # a shift of a whole row moves its logits, not its distribution
+    shifted = logits.clone()
+    shifted[0, 5] += 1.0
+    moved = fp32_noise({"logits": logits, "tokens": tokens}, shifted)
+    assert moved["logits_max_abs"] == pytest.approx(1.0) and moved["logprobs_max_abs"] < 1e-6
 
 
 def test_transformers_replays_the_oracles_decoder_routing_row_after_row(monkeypatch, tmp_path):
