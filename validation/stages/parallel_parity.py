@@ -440,7 +440,7 @@ def fp32_noise(oracle: dict[str, torch.Tensor], reference: torch.Tensor) -> dict
     the tiny replicas); a layout only reorders some of the single-rank model's reductions, so it lands within twice
     that of the single-rank model, while a layout that drops a reduction or mis-slices a shard is off by O(1)."""
     ours = oracle["logits"].to(reference.device)
-    # One row at a time in float64: a real-width vocabulary's log-softmax rows are a gigabyte a row.
+    # One row at a time: a real-width row's log-softmax in float64 is hundreds of megabytes.
     logprobs = max(
         (torch.log_softmax(mine.double(), -1) - torch.log_softmax(theirs.double(), -1)).abs().max().item()
         for mine, theirs in zip(ours, reference, strict=True)
