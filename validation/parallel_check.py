@@ -89,19 +89,17 @@ def memory_per_rank(ctx: CheckContext, layout: ParallelLayout) -> dict[str, int]
     """Bytes the busiest rank holds at its peak in ``layout``, by part: the sharded weights
     (:func:`weights_per_rank`); the fp32 oracle's largest decoder layer, and its embedding and head, which it holds
     whole while it streams; ``LOGIT_COPIES`` fp32 copies of the long row's logits."""
-    import re
-
-    from model_support.core.checkpoint import stored_tensors
+    from model_support.core.checkpoint import TextCheckpoint
     from model_support.core.layout import REAL_WIDTH_LONG_ROW, long_row_length, text_config
 
+    # The oracle's view of the checkpoint (hf_reference.StreamedReference): its text tensors, by decoder layer.
+    checkpoint = TextCheckpoint(ctx.model_dir)
     per_layer: dict[int, int] = {}
     outside = 0
-    for name, (_path, shape, _dtype) in stored_tensors(ctx.model_dir).items():
-        if "visual" in name or "vision" in name:  # a multimodal checkpoint's tower: neither model under test holds it
-            continue
-        layer = re.search(r"layers\.(\d+)\.", name)
-        if layer:
-            per_layer[int(layer.group(1))] = per_layer.get(int(layer.group(1)), 0) + math.prod(shape)
+    for name in checkpoint.get_all_keys():
+        shape, layer = checkpoint.shape(name), checkpoint.layer_of(name)
+        if layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0) + math.prod(shape)
         elif len(shape) > 1:
             outside += math.prod(shape)
     row = long_row_length(ctx.config, ctx.layout, floor=REAL_WIDTH_LONG_ROW)
