@@ -10,14 +10,15 @@ for the layout, two micro-batches), reduces the gradients as a trainer does (``a
 SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the logits, the loss, the whole model's
 LoRA gradient norm (``api.lora_grad_norm``), each router's top-k expert sets (every token, in sequence order), the
 PEFT adapter the handler's codec exports before and after the step, the merged HF weights after it
-(``api.merged_weights``), the step's tokens, and, on the adapter before the step, the logits of shared-prefix rows
-(a prompt and three completions each; not under context parallelism, which needs THD attention for packed rows) and
-the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any rank's rows are from
-rank 0's; and the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in every layout). fp32
-runs are eager (:func:`model_support.core.precision.eager_only`), bf16 runs compile what megatron-core compiles.
-``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every other layout with; in
-fp32 it also exports its adapter before the step (``OUT/single.adapter``), for transformers' run of its rows. A
-rank's error goes to ``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
+(``api.merged_weights``: the fp32 ``single`` run writes them, every other fp32 run only its distance from those, see
+``parallel_parity.merged_distance``), the step's tokens, and, on the adapter before the step, the logits of
+shared-prefix rows (a prompt and three completions each; not under context parallelism, which needs THD attention
+for packed rows) and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any
+rank's rows are from rank 0's; and the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in
+every layout). fp32 runs are eager (:func:`model_support.core.precision.eager_only`), bf16 runs compile what
+megatron-core compiles. ``single`` (one rank's model, the rest data parallel) is the oracle the stage compares every
+other layout with; in fp32 it also exports its adapter before the step (``OUT/single.adapter``), for transformers'
+run of its rows. A rank's error goes to ``OUT/<layout>.rank<R>.error`` and ends the job (see :func:`_fail`).
 """
 
 from __future__ import annotations
@@ -201,6 +202,19 @@ def _base_logprobs(model: api.TrainingModel, sequences: list[list[int]]) -> list
             module.lora_B.weight.copy_(weight)
 
 
+def _merged_results(out_dir: Path, token: str, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a run writes of its merged weights: the fp32 oracle the tensors, every other fp32 run its distance from
+    them (the whole model from each run fills a disk: 8 GB a run at 27B width for 4 layers); the bf16 runs, whose
+    comparison does not look at merged weights, nothing."""
+    from model_support.validation.stages.parallel_parity import merged_distance
+
+    if token == "single":
+        return {f"merged.{k}": v for k, v in merged.items()}
+    if parse_run(token)[1] != torch.float32:
+        return {}
+    return merged_distance(out_dir / "single.safetensors", merged)
+
+
 def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, timeout: timedelta | None = None) -> None:
     """One run of the job (``token``: a layout, in fp32 or with ``.bf16`` in bf16; see :func:`parse_run`)."""
     from megatron.core import parallel_state
@@ -266,7 +280,7 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
     if dist.get_rank() == 0:
         tensors = {"tokens": tokens, "logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}
-        tensors |= topk | {f"merged.{k}": v for k, v in merged.items()} | {f"fresh.{k}": v for k, v in fresh.items()}
+        tensors |= topk | {f"fresh.{k}": v for k, v in fresh.items()} | _merged_results(out_dir, token, merged)
         tensors |= scored | {"grads_rounded_to_bf16": rounded, "grad_norm": grad_norm}
         # safetensors' metadata holds strings only: the dtypes travel as one JSON string.
         metadata = {"dtypes": json.dumps(dtypes)}

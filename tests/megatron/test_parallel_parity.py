@@ -137,6 +137,30 @@ def test_merged_bf16_tensors_are_compared_beyond_one_rounding():
     assert beyond_rounding(torch.tensor([1.0]), torch.tensor([1.0 + 2**-20])) == 2**-20
 
 
+def test_only_the_fp32_oracle_writes_merged_weights_and_each_run_measures_itself_against_them(tmp_path: Path):
+    import torch
+    from safetensors.torch import save_file
+
+    from model_support.validation.parallel_worker import _merged_results
+
+    weights = {"a": torch.tensor([0.1, 0.5]).bfloat16(), "b": torch.ones(2, 3).bfloat16()}
+    oracle = _merged_results(tmp_path, "single", weights)
+    assert sorted(oracle) == ["merged.a", "merged.b"]
+    assert _merged_results(tmp_path, "single.bf16", weights) == {} == _merged_results(tmp_path, "tp2.bf16", weights)
+    # before the oracle ran: nothing to compare with, every tensor counted
+    missing = _merged_results(tmp_path, "tp2", weights)
+    assert missing["merged_mismatches"].item() == 2 and missing["merged_max_abs_err"].item() == float("inf")
+    save_file(oracle, str(tmp_path / "single.safetensors"))
+    same = _merged_results(tmp_path, "tp2", weights)
+    assert sorted(same) == ["merged_max_abs_err", "merged_mismatches"]  # a layout's run writes its distance alone
+    assert same["merged_max_abs_err"].item() == 0 and same["merged_mismatches"].item() == 0
+    # a LoRA update of 3e-3 left out of the weight near 0.1, a tensor left out, one of another shape, one extra
+    broken = {"a": torch.tensor([0.103, 0.5]).bfloat16(), "b": torch.ones(3, 2).bfloat16(), "c": torch.ones(1)}
+    found = _merged_results(tmp_path, "pp2", broken)
+    assert found["merged_max_abs_err"].item() > 2e-3 and found["merged_mismatches"].item() == 2
+    assert _merged_results(tmp_path, "pp2", {"a": weights["a"]})["merged_mismatches"].item() == 1
+
+
 def test_fp32_noise_is_transformers_distance_in_logits_and_log_softmax_rows():
     import torch
 
