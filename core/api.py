@@ -400,6 +400,7 @@ def forward_backward(
     loss_inputs: LossInputs = "logits",
     normalize: Normalize = "micro_batch",
     loss_mask: torch.Tensor | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> StepOutput:
     """One forward and backward of ``input_ids`` [B, S] in any layout, through megatron-core's schedule (1F1B,
     interleaved over virtual stages); ``loss_fn(inputs, micro_batch)`` turns a micro-batch's [b, S, V] fp32 logits
@@ -407,7 +408,9 @@ def forward_backward(
     (``"logprobs"``: [b, S - 1] log-probs of the next token and entropies, no full-vocabulary logits) into its mean
     loss, or with ``normalize="global_tokens"`` its per-token loss [b, S - 1], which is summed over ``loss_mask``
     and divided by the loss tokens of every micro-batch and data-parallel replica. Every rank calls it and gets the
-    loss (and what ``loss_fn`` got, with ``keep_logits``).
+    loss (and what ``loss_fn`` got, with ``keep_logits``). ``routed_experts`` [B, S, L, k] (an MoE model): each
+    token's experts at every decoder layer, as the server routed it (vLLM's ``routed_experts``; :func:`routed_experts`
+    gives the trainer's own): the routers take them instead of their own top-k (routing replay, R3).
     See :func:`model_support.core.megatron.forward.forward_backward`."""
     from model_support.core.megatron.forward import forward_backward as run
 
@@ -422,6 +425,7 @@ def forward_backward(
         loss_inputs=loss_inputs,
         normalize=normalize,
         loss_mask=loss_mask,
+        routed_experts=routed_experts,
     )
 
 
@@ -484,7 +488,11 @@ def clip_lora_grads(model: TrainingModel, max_norm: float) -> float:
     return total.item()
 
 
-def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def token_logprobs(
+    model: TrainingModel,
+    sequences: Sequence[Sequence[int]],
+    routed_experts: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """Per-position log-softmax rows of each sequence, ``[len(seq), vocab]`` fp32, from one packed forward.
 
     Row ``t`` is the model's distribution over the token after ``seq[:t + 1]``. The sequences are packed into
@@ -494,24 +502,74 @@ def token_logprobs(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> 
     and gets the rows. Differentiable when the model's parameters require grad, except under pipeline parallelism,
     where the rows are the last stage's logits broadcast to every stage, detached
     (:func:`model_support.core.megatron.forward.scored_logits`; train through :func:`forward_backward`).
+    ``routed_experts``: each sequence's ``[len(seq), L, k]`` experts, as the server routed it (see
+    :func:`forward_backward`).
     """
     import torch
 
-    from model_support.core.megatron.context_parallel import group as context_parallel_group
     from model_support.core.megatron.forward import scored_logits
 
     lengths = [len(seq) for seq in sequences]
     if not lengths or not all(lengths):
         raise ValueError("token_logprobs needs at least one sequence, and no empty one")
-    if context_parallel_group() is not None:
-        width = max(lengths)
-        rows = torch.tensor([[*seq, *[0] * (width - len(seq))] for seq in sequences])  # causal: padding unseen
-        out = torch.log_softmax(scored_logits(model.chunks, rows), dim=-1)
+    if routed_experts is not None and [len(e) for e in routed_experts] != lengths:
+        raise ValueError(
+            f"routed experts are one [len(seq), layers, top-k] tensor a sequence: sequences of {lengths} tokens, "
+            f"experts of {[len(e) for e in routed_experts]}"
+        )
+    rows, positions, experts = _scoring_rows(sequences, routed_experts)
+    out = torch.log_softmax(scored_logits(model.chunks, rows, positions, experts), dim=-1)
+    if positions is None:
         return [out[i, :n] for i, n in enumerate(lengths)]
-    row = torch.tensor([t for seq in sequences for t in seq])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    out = torch.log_softmax(scored_logits(model.chunks, row, positions)[0], dim=-1)
-    return list(out.split(lengths))
+    return list(out[0].split(lengths))
+
+
+def _scoring_rows(
+    sequences: Sequence[Sequence[int]], routed_experts: Sequence[torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(rows, position ids, routed experts) that score ``sequences``: one packed row with positions restarting at 0,
+    or under context parallelism (packed rows need THD attention) a row each, padded at the end (causal: unseen)."""
+    import torch
+
+    from model_support.core.megatron.context_parallel import group as context_parallel_group
+
+    lengths = [len(seq) for seq in sequences]
+    if context_parallel_group() is None:
+        row = torch.tensor([t for seq in sequences for t in seq])[None]
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        return row, positions, None if routed_experts is None else torch.cat(list(routed_experts))[None]
+    width = max(lengths)
+    rows = torch.tensor([[*seq, *[0] * (width - len(seq))] for seq in sequences])
+    if routed_experts is None:
+        return rows, None, None
+    # the padding routes to experts 0 ... k - 1: no scored token sees it
+    padded = [
+        torch.cat([e, torch.arange(e.shape[-1]).expand(width - len(e), *e.shape[1:]).to(e)]) for e in routed_experts
+    ]
+    return rows, None, torch.stack(padded)
+
+
+def routed_experts(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """The experts the trainer's own routers choose for each sequence, ``[len(seq), L, k]`` (-1 at a dense layer):
+    the format :func:`token_logprobs` and :func:`forward_backward` replay, and vLLM returns, so a trainer can count
+    how often it routes as the server did. From one forward of the rows :func:`token_logprobs` scores; any layout,
+    every rank calls it and gets them."""
+    from model_support.core.megatron.forward import scored_logits
+    from model_support.core.megatron.routing import assemble, recorded
+
+    lengths = [len(seq) for seq in sequences]
+    if not lengths or not all(lengths):
+        raise ValueError("routed_experts needs at least one sequence, and no empty one")
+    if not model.chunks[0].config.num_moe_experts:
+        raise ValueError("the model has no MoE layer: it routes no token")
+    rows, positions, _ = _scoring_rows(sequences, None)
+    with recorded(model.chunks) as records:
+        scored_logits(model.chunks, rows, positions)
+    # records cover the padded rows (scored_logits pads to the layout's multiple); assemble cuts them to the rows
+    experts = assemble(model.chunks, records, rows.shape[0], rows.shape[1])
+    if positions is None:
+        return [experts[i, :n].cpu() for i, n in enumerate(lengths)]
+    return list(experts[0].cpu().split(lengths))
 
 
 def group_logprobs(

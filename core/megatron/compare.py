@@ -19,8 +19,8 @@ a near tie is not counted as a logit error and a real flip is not hidden inside 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -196,47 +196,24 @@ def routing_agreement(model: torch.nn.Module, captures: Sequence[Any], batch: in
     }
 
 
-@contextmanager
-def replayed_routing(model: torch.nn.Module, indices: Sequence[torch.Tensor] | None, batch: int) -> Iterator[None]:
+def replayed_routing(
+    model: torch.nn.Module, indices: Sequence[torch.Tensor] | None, batch: int
+) -> AbstractContextManager[None]:
     """Run ``model`` with each MoE router taking the given top-k indices (transformers' token order)."""
-    if not indices:
-        yield
-        return
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from model_support.core.megatron.routing import replaying
 
+    if not indices:
+        return nullcontext()
     ours = routers(model)
     if len(ours) != len(indices):
         raise ValueError(f"the model has {len(ours)} MoE routers, {len(indices)} routings given")
     if any(r.router_replay is None for r in ours):
         raise ValueError("the model was built without moe_enable_routing_replay")
-    for router, idx in zip(ours, indices, strict=True):
-        router.router_replay.set_target_indices(sequence_major(idx, batch).to(router.weight.device))
-        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    try:
-        yield
-    finally:
-        for router in ours:
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+    return replaying([(r, sequence_major(idx, batch)) for r, idx in zip(ours, indices, strict=True)])
 
 
-@contextmanager
-def recorded_routing(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+def recorded_routing(model: torch.nn.Module) -> AbstractContextManager[list[list[torch.Tensor]]]:
     """Record each MoE router's top-k indices, one list per router with one entry per forward."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from model_support.core.megatron.routing import recording
 
-    ours = [r for r in routers(model) if r.router_replay is not None]
-    recorded: list[list[torch.Tensor]] = [[] for _ in ours]
-    hooks = []
-    for router, store in zip(ours, recorded, strict=True):
-        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-        hooks.append(
-            router.register_forward_hook(lambda m, _a, _o, s=store: s.append(m.router_replay.recorded_topk_idx))
-        )
-    try:
-        yield recorded
-    finally:
-        for router, hook in zip(ours, hooks, strict=True):
-            hook.remove()
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+    return recording([r for r in routers(model) if r.router_replay is not None])

@@ -14,7 +14,7 @@ or convolution state crosses a sequence boundary; a prompt's state is computed o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -310,6 +310,7 @@ def forward_backward(
     loss_inputs: LossInputs = "logits",
     normalize: Normalize = "micro_batch",
     loss_mask: torch.Tensor | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> StepOutput:
     """One forward (and backward) of a batch through megatron-core's own schedule for the layout: no pipelining,
     1F1B, or interleaved 1F1B over the rank's virtual stages.
@@ -333,6 +334,9 @@ def forward_backward(
     (which averages over replicas) is its gradient. Either way ``micro_batch.loss_mask`` holds the micro-batch's
     mask rows.
 
+    ``routed_experts`` [B, S, L, k] (an MoE model): every decoder layer's router takes these experts for each token
+    instead of its own top-k, as the server that sampled the batch routed it (:mod:`.routing`, vLLM's format).
+
     A rank's gradient covers the tokens it ran: sum it over context-parallel ranks and average it over data-parallel
     replicas (:func:`model_support.core.megatron.lora.reduce_lora_grads`). Every rank takes part and gets the
     :class:`StepOutput` (with ``keep_logits``, what ``loss_fn`` got, of the whole batch).
@@ -341,6 +345,7 @@ def forward_backward(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from model_support.core.megatron.builder import on_cpu_device
+    from model_support.core.megatron.routing import check_experts, replayed
 
     chunks = list(chunks)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
@@ -369,6 +374,8 @@ def forward_backward(
         raise ValueError("packed rows under context parallelism need THD attention, which the local spec lacks")
     if cp > 1 and seq % (2 * cp):
         raise ValueError(f"context parallel {cp} splits sequences into {2 * cp} chunks: {seq} tokens do not")
+    if routed_experts is not None:
+        check_experts(chunks, routed_experts, (batch, seq))
     size = batch // micro_batches
     device = next(chunks[0].parameters()).device
     if normalize == "global_tokens" and loss_mask is None:
@@ -392,7 +399,8 @@ def forward_backward(
     def step(data: Iterator[MicroBatch], model: torch.nn.Module):
         micro = next(data)
         ids, positions, rows = _prepare(micro.input_ids, micro.position_ids, device)
-        with packed_rows(model, rows) as layout:
+        replay = nullcontext() if routed_experts is None else replayed(model, routed_experts[micro.rows])
+        with packed_rows(model, rows) as layout, replay:
             out = model(input_ids=split_batch(ids), position_ids=split_batch(positions), attention_mask=None)
         layout.again_in_backward(out)
 
@@ -455,7 +463,10 @@ def forward_backward(
 
 
 def scored_logits(
-    chunks: Sequence[torch.nn.Module], input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    chunks: Sequence[torch.nn.Module],
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, S, V] fp32 logits of ``input_ids`` (plain rows, or one packed row with its ``position_ids``) on every rank,
     in any layout: one forward through :func:`forward_backward`'s schedule, so pipeline stages pass their activations
@@ -466,7 +477,7 @@ def scored_logits(
     stage, detached: no stage can backpropagate through the others outside the schedule (train through
     :func:`forward_backward`'s ``loss_fn``). Rows are padded at the end to a length the layout splits evenly (sequence
     parallel: a multiple of the tensor-parallel size; context parallel: of 2 x cp); a packed row's padding is a
-    sequence of its own, so no scored token sees it.
+    sequence of its own, so no scored token sees it. ``routed_experts``: as :func:`forward_backward` takes them.
     """
     from megatron.core import parallel_state
 
@@ -480,12 +491,16 @@ def scored_logits(
         input_ids = torch.nn.functional.pad(input_ids, (0, pad))
         if position_ids is not None:
             position_ids = torch.cat([position_ids, torch.arange(pad).expand(batch, pad)], dim=1)
+        if routed_experts is not None:  # the padding routes to experts 0 ... k - 1 (no scored token sees it)
+            experts = torch.arange(routed_experts.shape[-1]).expand(batch, pad, *routed_experts.shape[2:])
+            routed_experts = torch.cat([routed_experts, experts.to(routed_experts)], dim=1)
     pipeline = parallel_state.get_pipeline_model_parallel_world_size()
     # The interleaved schedule needs at least as many micro-batches as pipeline stages: the batch runs that often.
     repeats = pipeline if len(chunks) > 1 else 1
     if repeats > 1:
         input_ids = input_ids.repeat(repeats, 1)
         position_ids = None if position_ids is None else position_ids.repeat(repeats, 1)
+        routed_experts = None if routed_experts is None else routed_experts.repeat(repeats, 1, 1, 1)
     captured: list[torch.Tensor] = []
 
     def keep(out: torch.Tensor, _micro: MicroBatch) -> torch.Tensor:
@@ -500,6 +515,7 @@ def scored_logits(
         micro_batches=repeats,
         forward_only=True,
         keep_logits=pipeline > 1,
+        routed_experts=routed_experts,
     )
     out = captured[0] if pipeline == 1 else step.logits[:batch]
     return out[:, :length]

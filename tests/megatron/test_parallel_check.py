@@ -29,7 +29,11 @@ def _by_stage(report) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("handler", "layout"), [("qwen3-moe", "ep2"), ("qwen3.5", "tp2")])
+# Qwen3.5 in tp2 (its GDN layers split over tensor-parallel ranks) is in the exhaustive tier: the first tier splits
+# them so in parallel_parity (tests/megatron/test_parallel_parity.py, qwen3.5-moe's tp2-sp).
+@pytest.mark.parametrize(
+    ("handler", "layout"), [("qwen3-moe", "ep2"), pytest.param("qwen3.5", "tp2", marks=pytest.mark.exhaustive)]
+)
 def test_a_sharded_check_reports_the_whole_models_numbers(megatron_report, handler, layout, tmp_path) -> None:
     """Experts split over expert-parallel ranks (Qwen3-MoE), attention, GDN and MLP split over tensor-parallel ranks
     (Qwen3.5): every Megatron stage passes against transformers, its counts are the single-process run's, and what

@@ -20,10 +20,17 @@ SERVING_STAGES = (
 
 
 @pytest.mark.slow
-# qwen3-moe's serving (MoE weights pushed in place) is in the first tier through qwen3.5-moe's and
-# test_inplace.py's: its own run is in the exhaustive tier.
+# Each kind of layer is served once in the first tier: attention and a dense MLP (qwen3), Gated DeltaNet and routed
+# experts pushed in place (qwen3.5-moe; test_inplace.py pushes qwen3-moe's). qwen3-moe's and qwen3.5's own runs are in
+# the exhaustive tier.
 @pytest.mark.parametrize(
-    "handler", ["qwen3", pytest.param("qwen3-moe", marks=pytest.mark.exhaustive), "qwen3.5", "qwen3.5-moe"]
+    "handler",
+    [
+        "qwen3",
+        pytest.param("qwen3-moe", marks=pytest.mark.exhaustive),
+        pytest.param("qwen3.5", marks=pytest.mark.exhaustive),
+        "qwen3.5-moe",
+    ],
 )
 def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     model = tiny_model_dir(handler)
