@@ -11,7 +11,7 @@ SGD step on the LoRA, and writes on rank 0 ``OUT/<layout>.safetensors``: the log
 LoRA gradient norm (``api.lora_grad_norm``), each router's top-k expert sets (every token, in sequence order), the
 PEFT adapter the handler's codec exports before and after the step, the merged HF weights after it
 (``api.merged_weights``: the fp32 ``single`` run writes them, every other fp32 run only its distance from those, see
-``parallel_parity.merged_distance``), the step's tokens, and, on the adapter before the step, the logits of
+``compare.merged_distance``), the step's tokens, and, on the adapter before the step, the logits of
 shared-prefix rows (a prompt and three completions each; not under context parallelism, which needs THD attention
 for packed rows) and the trainer's scoring calls (``api.token_logprobs``, ``api.group_logprobs``) with how far any
 rank's rows are from rank 0's; and the adapter ``api.apply_lora`` draws (its seed makes it one canonical adapter in
@@ -206,7 +206,7 @@ def _merged_results(out_dir: Path, token: str, merged: dict[str, torch.Tensor]) 
     """What a run writes of its merged weights: the fp32 oracle the tensors, every other fp32 run its distance from
     them (the whole model from each run fills a disk: 8 GB a run at 27B width for 4 layers); the bf16 runs, whose
     comparison does not look at merged weights, nothing."""
-    from model_support.validation.stages.parallel_parity import merged_distance
+    from model_support.core.megatron.compare import merged_distance
 
     if token == "single":
         return {f"merged.{k}": v for k, v in merged.items()}

@@ -122,7 +122,7 @@ def test_build_model_refuses_a_layout_the_handler_refuses(tiny_model_dir):
 def test_merged_bf16_tensors_are_compared_beyond_one_rounding():
     import torch
 
-    from model_support.validation.stages.parallel_parity import beyond_rounding
+    from model_support.core.megatron.compare import beyond_rounding
 
     x = torch.tensor([1e-5, 0.1, 0.5, -3.0]).bfloat16()
     step = (x.view(torch.int16) + 1).view(torch.bfloat16)  # each element one bf16 step up: a rounding the other way

@@ -118,9 +118,9 @@ def export_agreement(ctx: CheckContext, adapter: Path) -> dict[str, float | int]
     import torch
 
     from model_support.core import api
+    from model_support.core.megatron.compare import beyond_rounding
     from model_support.core.serving.export import adapter_deltas, checkpoint_names, merged_subset
     from model_support.validation import serving_session as session
-    from model_support.validation.stages.parallel_parity import beyond_rounding
 
     names, every = checkpoint_names(ctx.model_dir), adapter_deltas(adapter)
     deltas = {name: delta for name, delta in every.items() if name in names}

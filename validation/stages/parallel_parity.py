@@ -111,7 +111,8 @@ class ParallelParityStage(Stage):
     (the rounding of a correct bf16 run; a layout only reorders its reductions), the fresh adapters bit for bit, and
     two exact counts in every run: parameters or LoRA gradients held in a dtype the single-rank model does not hold
     them in, and fp32 LoRA gradients whose every value is a bf16 value (reduced or accumulated in bf16). Merged
-    weights of a bf16 checkpoint are compared beyond one rounding the other way (:func:`beyond_rounding`).
+    weights of a bf16 checkpoint are compared beyond one rounding the other way
+    (:func:`model_support.core.megatron.compare.beyond_rounding`).
 
     Nothing hangs: the first rank to raise writes its error and ends the job (the launcher ends the others within
     seconds, as torchrun's agent does); the stage names that rank's error line for the layout and runs the layouts
@@ -527,48 +528,6 @@ def compare(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor], lr:
         "reference_logprobs_err": other["reference_logprobs_err"].item() if "reference_logprobs_err" in other else inf,
         "grads_rounded_to_bf16": float(other["grads_rounded_to_bf16"]),
     }
-
-
-def merged_distance(oracle_file: Path, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """How far one run's merged HF weights are from the oracle's, as that run writes them: the largest distance beyond
-    rounding (:func:`beyond_rounding`) and how many tensors are missing on either side or of another shape. Read from
-    the oracle's results one tensor at a time, so a run never writes (nor holds twice) the whole merged model; an
-    oracle that did not run leaves every tensor mismatched."""
-    from safetensors import safe_open
-
-    if not oracle_file.exists():
-        return {"merged_max_abs_err": torch.tensor([inf]), "merged_mismatches": torch.tensor([len(merged)])}
-    worst, mismatches = 0.0, 0
-    with safe_open(str(oracle_file), "pt") as f:
-        names = {k.removeprefix("merged.") for k in f.keys() if k.startswith("merged.")}  # noqa: SIM118 (no __iter__)
-        mismatches += len(names ^ merged.keys())
-        for name in sorted(names & merged.keys()):
-            reference, mine = f.get_tensor(f"merged.{name}"), merged[name].cpu()
-            if reference.shape != mine.shape:
-                mismatches += 1
-            else:
-                worst = max(worst, beyond_rounding(reference, mine))
-    return {
-        "merged_max_abs_err": torch.tensor([worst], dtype=torch.float64),
-        "merged_mismatches": torch.tensor([mismatches]),
-    }
-
-
-def beyond_rounding(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """The largest distance between two exported weights beyond one rounding to their dtype: ``|a - b|`` less one
-    unit in the last place at the larger of the two (nothing off for fp32).
-
-    The merged weight is base + LoRA rounded to the checkpoint's dtype; two layouts' LoRA updates differ by
-    round-off (1e-8), and a sum that lands near a rounding boundary rounds the other way in one of them (a bf16
-    step: 4.9e-4 at 0.1). Units in the last place of the result alone are no measure: where base and LoRA cancel,
-    the result is tiny and so is its unit, while the round-off of the sum is that of its terms."""
-    a, b = reference.double(), other.double()
-    if reference.dtype == torch.float32 or not a.numel():
-        return (a - b).abs().max().item() if a.numel() else 0.0
-    info = torch.finfo(reference.dtype)
-    _, exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))
-    unit = (info.eps * torch.pow(2.0, exponent.double() - 1)).clamp_min(info.smallest_normal * info.eps)
-    return ((a - b).abs() - unit).clamp_min(0).max().item()
 
 
 def _logprobs_err(oracle: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
