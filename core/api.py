@@ -64,9 +64,11 @@ __all__ = [
     "push_weights",
     "reduce_lora_grads",
     "resolve",
+    "routed_experts",
     "save_merged",
     "save_state",
     "serve",
+    "served_experts",
     "token_logprobs",
 ]
 
@@ -547,6 +549,24 @@ def _scoring_rows(
         torch.cat([e, torch.arange(e.shape[-1]).expand(width - len(e), *e.shape[1:]).to(e)]) for e in routed_experts
     ]
     return rows, None, torch.stack(padded)
+
+
+def served_experts(choice: dict[str, Any], length: int) -> torch.Tensor:
+    """The experts a server routed a completion's tokens to, ``[length, L, k]`` for its ``length`` tokens (prompt and
+    completion: the row a trainer scores), as :func:`token_logprobs` and :func:`forward_backward` replay them. From
+    a server started with ``ServeOptions(return_routed_experts=True)`` (an MoE model, vLLM on a GPU); vLLM routes
+    every token but the last sampled one, whose entry repeats the one before it (no scored token sees it)."""
+    import torch
+
+    from model_support.core.serving.vllm_backend import routed_experts_of
+
+    routed = torch.from_numpy(routed_experts_of(choice).astype("int64"))
+    if len(routed) != length - 1:
+        raise ValueError(
+            f"the completion's routed experts cover {len(routed)} tokens; a row of {length} tokens needs "
+            f"{length - 1} (every token but the last sampled one)"
+        )
+    return torch.cat([routed, routed[-1:]])
 
 
 def routed_experts(model: TrainingModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -37,6 +37,8 @@ class ServeOptions:
     checkpoint and reloaded from disk). ``gpus``: the GPUs the server runs on (a trainer on GPU 0, the server on
     ``"1"``), its ``CUDA_VISIBLE_DEVICES``. ``enable_sleep_mode``: ``Server.sleep`` / ``wake_up`` can give the
     server's GPU memory to a trainer on the same GPU and take it back (vLLM's sleep mode, GPUs only).
+    ``return_routed_experts``: every completion carries the experts each token was routed to
+    (``--enable-return-routed-experts``; an MoE model on a GPU; read with ``api.served_experts``).
     """
 
     dtype: str = "auto"
@@ -56,6 +58,7 @@ class ServeOptions:
     # The GPUs the server runs on, as CUDA_VISIBLE_DEVICES names them ("1", "2,3"); None: the ones this process sees.
     gpus: str | None = None
     enable_sleep_mode: bool = False
+    return_routed_experts: bool = False
     startup_timeout_s: float = 900.0
 
     def for_checkpoint(self, model_dir: Path) -> ServeOptions:
@@ -93,6 +96,8 @@ class ServeOptions:
             args.append("--language-model-only")
         if self.enable_sleep_mode:
             args.append("--enable-sleep-mode")
+        if self.return_routed_experts:
+            args.append("--enable-return-routed-experts")
         if self.weight_transfer not in TRANSPORTS:
             choices = ", ".join(repr(t) for t in TRANSPORTS)
             raise ValueError(f"weight_transfer must be one of {choices}, not {self.weight_transfer!r}")

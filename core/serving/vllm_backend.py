@@ -8,6 +8,9 @@ here), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (share the cores). Development endpo
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import os
 import re
@@ -30,6 +33,7 @@ from model_support.core.serving.update import WeightUpdater, parse_served_name, 
 from model_support.core.serving.vllm_features import VllmFeatures
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from model_support.core.serving.client import ServerClient
@@ -525,6 +529,26 @@ def with_token_ids(choice: dict[str, Any]) -> dict[str, Any]:
     return choice
 
 
+def routed_experts_of(choice: dict[str, Any]) -> np.ndarray:
+    """A completion's ``routed_experts`` (a server started with ``ServeOptions(return_routed_experts=True)``):
+    vLLM sends them as a base64 ``.npy`` of ``[tokens - 1, layers, top-k]`` integer expert ids (prompt and completion
+    tokens; the last sampled token was never run). Read without pickle; anything else is a one-line ValueError."""
+    import numpy as np
+
+    encoded = choice.get("routed_experts")
+    if not encoded:
+        raise ValueError(
+            "the completion carries no routed experts: start the server with ServeOptions(return_routed_experts=True)"
+        )
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (ValueError, OSError, binascii.Error) as exc:
+        raise ValueError(f"the completion's routed_experts is no base64 .npy array: {exc}") from None
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ValueError(f"routed experts are [tokens, layers, top-k] integers, got {array.dtype} {list(array.shape)}")
+    return array
+
+
 def staleness(choice: dict[str, Any]) -> dict[str, Any]:
     """``choice`` with per-token policy steps, ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` derived
     from vLLM's weight-version spans (``[{"version", "start", "end"}]`` over the sampled tokens)."""
@@ -609,6 +633,8 @@ def server_env(runtime: RuntimeInfo, options: ServeOptions, key: str) -> dict[st
     }
     if options.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = options.gpus
+    if options.return_routed_experts and VllmFeatures(runtime.vllm_version).has("routed_experts_mrv2"):
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the runner that captures them there (vLLM's own instruction)
     if options.tensor_parallel_size == 1:
         # vLLM's CPU platform turns the "uni" executor into "mp" (a worker process more to start) unless this is
         # off; the API server runs its engine core in a process of its own either way.
@@ -652,6 +678,17 @@ class VllmBackend:
                 f"LoRA on an MoE model needs vLLM on a GPU: {CPU_MOE_LORA_GAP} (the runtime is the CPU build, "
                 f"{runtime.distribution} {runtime.vllm_version}): start the server without "
                 "ServeOptions(enable_lora=True) and push merged weights"
+            )
+        if options.return_routed_experts and not options.moe:
+            raise ServingError(
+                f"{model_dir.name} has no routed experts to return: start the server without "
+                "ServeOptions(return_routed_experts=True)"
+            )
+        if options.return_routed_experts and runtime.flavor != "gpu":
+            raise ServingError(
+                f"routed experts need vLLM on a GPU: the CPU build ({runtime.distribution} {runtime.vllm_version}) "
+                "refuses to capture them (\"AuxOutput Connector requires Model Runner V2\"): start the server "
+                "without ServeOptions(return_routed_experts=True)"
             )
         features = VllmFeatures(runtime.vllm_version)
         args = server_command(runtime, features, model_dir, served_name, port, options)

