@@ -687,7 +687,7 @@ class VllmBackend:
         if options.return_routed_experts and runtime.flavor != "gpu":
             raise ServingError(
                 f"routed experts need vLLM on a GPU: the CPU build ({runtime.distribution} {runtime.vllm_version}) "
-                "refuses to capture them (\"AuxOutput Connector requires Model Runner V2\"): start the server "
+                'refuses to capture them ("AuxOutput Connector requires Model Runner V2"): start the server '
                 "without ServeOptions(return_routed_experts=True)"
             )
         features = VllmFeatures(runtime.vllm_version)
