@@ -52,6 +52,15 @@ def check_experts(chunks: Sequence[torch.nn.Module], experts: torch.Tensor, toke
         )
     if experts.dtype.is_floating_point or experts.dtype == torch.bool:
         raise ValueError(f"routed experts are integer expert ids, got {experts.dtype}")
+    # megatron-core's own pattern of MoE layers (an int: every n-th layer; a list: one flag a layer)
+    freq = config.moe_layer_freq
+    moe = [i % freq == 0 for i in range(config.num_layers)] if isinstance(freq, int) else [bool(f) for f in freq]
+    routed = experts[:, :, torch.tensor(moe)]
+    if routed.numel() and (routed.min() < 0 or routed.max() >= config.num_moe_experts):
+        raise ValueError(
+            f"routed experts are ids of the model's {config.num_moe_experts} experts at its MoE layers, got ids from "
+            f"{routed.min().item()} to {routed.max().item()}"
+        )
     if config.recompute_granularity is not None:
         raise ValueError("routing replay with activation recompute is not supported: build the model without it")
 

@@ -81,6 +81,14 @@ def test_malformed_routed_experts_are_refused_in_one_line(moe, tiny_model_dir):
         api.forward_backward(moe, rows, keep, forward_only=True, routed_experts=torch.zeros(2, 16, layers, 1))
     with pytest.raises(ValueError, match=r"routed experts are integer expert ids, got torch\.float32"):
         api.forward_backward(moe, rows, keep, forward_only=True, routed_experts=torch.zeros(2, 16, layers, top_k))
+    count = _shape(moe)[2]
+    beyond = torch.full((2, 16, layers, top_k), count)  # one past the last expert
+    message = rf"ids of the model's {count} experts at its MoE layers, got ids from {count} "
+    with pytest.raises(ValueError, match=message):
+        api.forward_backward(moe, rows, keep, forward_only=True, routed_experts=beyond)
+    (own,) = api.routed_experts(moe, [[1, 2, 3]])
+    with pytest.raises(ValueError, match=rf"experts at its MoE layers, got ids from -1 to {own.max().item()}"):
+        api.token_logprobs(moe, [[1, 2, 3]], routed_experts=[torch.cat([own[:2], torch.full_like(own[2:], -1)])])
     with pytest.raises(ValueError, match=r"sequences of \[3\] tokens, experts of \[2\]"):
         api.token_logprobs(moe, [[1, 2, 3]], routed_experts=[torch.zeros(2, layers, top_k, dtype=torch.long)])
     dense = api.build_model(tiny_model_dir("qwen3"), dtype=torch.float32)
