@@ -534,6 +534,7 @@ def _scoring_rows(
     import torch
 
     from model_support.core.megatron.context_parallel import group as context_parallel_group
+    from model_support.core.megatron.routing import padded
 
     lengths = [len(seq) for seq in sequences]
     if context_parallel_group() is None:
@@ -544,11 +545,7 @@ def _scoring_rows(
     rows = torch.tensor([[*seq, *[0] * (width - len(seq))] for seq in sequences])
     if routed_experts is None:
         return rows, None, None
-    # the padding routes to experts 0 ... k - 1: no scored token sees it
-    padded = [
-        torch.cat([e, torch.arange(e.shape[-1]).expand(width - len(e), *e.shape[1:]).to(e)]) for e in routed_experts
-    ]
-    return rows, None, torch.stack(padded)
+    return rows, None, torch.stack([padded(e, width - len(e), dim=0) for e in routed_experts])
 
 
 def served_experts(choice: dict[str, Any], length: int) -> torch.Tensor:

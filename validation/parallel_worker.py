@@ -276,7 +276,9 @@ def run_layout(out_dir: Path, model_dir: Path, handler_name: str, token: str, ti
         for i, call in enumerate(calls)
     }
     topk = _stage_results(topk)
-    merged = {name: tensor for bucket in api.merged_weights(model) for name, tensor in bucket.items()}
+    merged = {}
+    if dtype == torch.float32:  # a gather every rank takes part in; no bf16 comparison reads merged weights
+        merged = {name: tensor for bucket in api.merged_weights(model) for name, tensor in bucket.items()}
     if dist.get_rank() == 0:
         tensors = {"tokens": tokens, "logits": step.logits, "loss": step.loss.detach().reshape(1), **shared}
         tensors |= {f"before.{k}": v for k, v in before.items()} | {f"after.{k}": v for k, v in after.items()}

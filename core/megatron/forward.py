@@ -481,6 +481,8 @@ def scored_logits(
     """
     from megatron.core import parallel_state
 
+    from model_support.core.megatron.routing import padded
+
     chunks = list(chunks)
     batch, length = input_ids.shape
     cp = parallel_state.get_context_parallel_world_size()
@@ -491,9 +493,8 @@ def scored_logits(
         input_ids = torch.nn.functional.pad(input_ids, (0, pad))
         if position_ids is not None:
             position_ids = torch.cat([position_ids, torch.arange(pad).expand(batch, pad)], dim=1)
-        if routed_experts is not None:  # the padding routes to experts 0 ... k - 1 (no scored token sees it)
-            experts = torch.arange(routed_experts.shape[-1]).expand(batch, pad, *routed_experts.shape[2:])
-            routed_experts = torch.cat([routed_experts, experts.to(routed_experts)], dim=1)
+        if routed_experts is not None:
+            routed_experts = padded(routed_experts, pad, dim=1)
     pipeline = parallel_state.get_pipeline_model_parallel_world_size()
     # The interleaved schedule needs at least as many micro-batches as pipeline stages: the batch runs that often.
     repeats = pipeline if len(chunks) > 1 else 1

@@ -52,10 +52,9 @@ def check_experts(chunks: Sequence[torch.nn.Module], experts: torch.Tensor, toke
         )
     if experts.dtype.is_floating_point or experts.dtype == torch.bool:
         raise ValueError(f"routed experts are integer expert ids, got {experts.dtype}")
-    # megatron-core's own pattern of MoE layers (an int: every n-th layer; a list: one flag a layer)
-    freq = config.moe_layer_freq
-    moe = [i % freq == 0 for i in range(config.num_layers)] if isinstance(freq, int) else [bool(f) for f in freq]
-    routed = experts[:, :, torch.tensor(moe)]
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_moe_layer_pattern
+
+    routed = experts[:, :, torch.tensor(get_moe_layer_pattern(config), dtype=torch.bool)]
     if routed.numel() and (routed.min() < 0 or routed.max() >= config.num_moe_experts):
         raise ValueError(
             f"routed experts are ids of the model's {config.num_moe_experts} experts at its MoE layers, got ids from "
@@ -63,6 +62,14 @@ def check_experts(chunks: Sequence[torch.nn.Module], experts: torch.Tensor, toke
         )
     if config.recompute_granularity is not None:
         raise ValueError("routing replay with activation recompute is not supported: build the model without it")
+
+
+def padded(experts: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+    """``experts`` with ``count`` padding tokens appended along ``dim``, routed to experts 0 ... k - 1 (the padding of
+    a row a layout splits evenly, which no scored token sees)."""
+    shape = list(experts.shape)
+    shape[dim] = count
+    return torch.cat([experts, torch.arange(shape[-1]).to(experts).expand(shape)], dim=dim)
 
 
 def _local(experts: torch.Tensor, layer_number: int, sequence_parallel: bool) -> torch.Tensor:
