@@ -1,16 +1,17 @@
 """Time to a verdict: how long ``model-support check`` takes from start to report, and where the time goes.
 
-``gpu DIR...``: the Megatron stages (``benchmarks.gpu_validation.MEGATRON_STAGES``, or ``--stages``) on each
-replica, in a child process, in three runs: *before* (an empty Triton cache and ``MODEL_SUPPORT_TUNED_KERNELS=0``:
-every kernel autotunes, as a fresh GPU did before ``kernels/tuning.py``), *cold* (an empty Triton cache seeded with
-the shipped settings) and *warm* (the cold run's cache again). ``--runs`` picks some of them; ``--harvest DIR``
-merges the autotuning results of the *before* and *cold* runs into ``DIR/sm<CC>.json`` (the file
-``kernels/tuning.py`` ships). Each check's output goes to ``--out``/<replica>-<run>.log.
+``gpu DIR...``: the Megatron stages (``benchmarks.gpu_validation.MEGATRON_STAGES``, or ``--stages``; ``--stages ""``:
+the whole default check) on each replica, in a child process, in three runs: *before* (an empty Triton cache and
+``MODEL_SUPPORT_TUNED_KERNELS=0``: every kernel autotunes, as a fresh GPU did before ``kernels/tuning.py``), *cold*
+(an empty Triton cache seeded with the shipped settings) and *warm* (the cold run's cache again). ``--runs`` picks
+some of them; ``--harvest DIR`` merges the autotuning results of the *before* and *cold* runs into
+``DIR/sm<CC>.json`` (the file ``kernels/tuning.py`` ships). Each check's output and JSON report go to
+``--out``/<replica>-<run>.log and .json.
 
 ``cpu [HANDLER...]``: the whole default ``check HANDLER --tiny`` of each built-in handler (default: all of them).
 
 Each run's wall time (the child's start to its exit: start-up, imports and the tiny build included) and, summed over
-its stages, the JSON report's time split (build, oracle, autotune, server start, comparison) are printed as a
+its stages, the JSON report's time split (build, oracle, autotune, compile, server start, comparison) are printed as a
 Markdown table and written to ``--out``/time_to_verdict.json. Run from the repository root; on the device machine
 with the wheels of docs/gpu-validation.md on ``PYTHONPATH``:
 
@@ -32,7 +33,7 @@ from typing import Any
 
 from benchmarks.gpu_validation import MEGATRON_STAGES
 
-PHASES = ("build", "oracle", "autotune", "server_start", "comparison")
+PHASES = ("build", "oracle", "autotune", "compile", "server_start", "comparison")
 RUNS = ("before", "cold", "warm")
 
 
@@ -40,7 +41,7 @@ def run_check(
     target: str, args: list[str], env: dict[str, str], report: Path, log: Path, limit_s: float | None = None
 ) -> dict[str, Any]:
     """One ``check`` in a child process (stopped after ``limit_s``), its output in ``log``: its wall time, exit
-    code, and its stages' summed time split."""
+    code, and its stages' summed time split (its JSON report kept at ``report``)."""
     cmd = [sys.executable, "-m", "model_support.core.cli", "check", target, "--json", str(report), *args]
     start = time.perf_counter()
     with log.open("w") as out:
@@ -85,7 +86,7 @@ def gpu(
             env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
             if run == "before":
                 env["MODEL_SUPPORT_TUNED_KERNELS"] = "0"
-            row = run_check(target, stage_args, env, work / f"{name}-{run}.json", logs / f"{name}-{run}.log", limit_s)
+            row = run_check(target, stage_args, env, logs / f"{name}-{run}.json", logs / f"{name}-{run}.log", limit_s)
             row["run"] = run
             if run != "warm" and harvest is not None and cache.exists():
                 row["harvested"] = merge_harvest(harvest, tuning.harvest(cache), target)
@@ -128,7 +129,7 @@ def cpu(handlers: list[str], work: Path, logs: Path) -> list[dict[str, Any]]:
     rows = []
     for handler in handlers:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        row = run_check(handler, ["--tiny"], env, work / f"{handler}.json", logs / f"{handler}-cpu.log")
+        row = run_check(handler, ["--tiny"], env, logs / f"{handler}.json", logs / f"{handler}-cpu.log")
         row["run"] = "cpu"
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -154,7 +155,11 @@ def main() -> None:
     on_gpu = sub.add_parser("gpu")
     on_gpu.add_argument("dirs", nargs="+")
     on_gpu.add_argument("--runs", default=",".join(RUNS))
-    on_gpu.add_argument("--stages", default=",".join(MEGATRON_STAGES), help="comma-separated (and their prerequisites)")
+    on_gpu.add_argument(
+        "--stages",
+        default=",".join(MEGATRON_STAGES),
+        help="comma-separated (and their prerequisites); empty: the whole default check",
+    )
     on_gpu.add_argument("--harvest", type=Path)
     on_gpu.add_argument("--limit-s", type=float, help="stop a check after this long (what it tuned is harvested)")
     on_cpu = sub.add_parser("cpu")

@@ -58,6 +58,20 @@ def test_phases_nest_exclusively(clock: FakeClock) -> None:
     assert measured.split(total_s=40.0) == {"build": 4.0, "oracle": 26.0, "comparison": 10.0}
 
 
+def test_compiling_counts_as_compile_except_inside_autotuning(clock: FakeClock) -> None:
+    """A kernel compiled for new shapes is its own phase; one compiled as an autotuning candidate is the tuning's."""
+    with timing.measuring() as measured:
+        with timing.compiling():
+            clock.advance(1)
+        with timing.phase("autotune"):
+            clock.advance(2)
+            with timing.compiling():
+                clock.advance(4)
+        with timing.phase("oracle"), timing.compiling():
+            clock.advance(8)
+    assert measured.split(total_s=20.0) == {"oracle": 0.0, "autotune": 6.0, "compile": 9.0, "comparison": 5.0}
+
+
 def test_a_phase_outside_a_measurement_records_nothing(clock: FakeClock) -> None:
     with timing.phase("build"):
         clock.advance(3)

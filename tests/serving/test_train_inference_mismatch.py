@@ -33,3 +33,24 @@ def test_a_trainer_that_scores_a_packed_row_as_one_sequence_fails_its_own_compar
     assert metrics["megatron_hf_abs_delta_logprob_mean"] > 3 * limits["megatron_hf_abs_delta_logprob_mean"], metrics
     assert "megatron_hf_abs_delta_logprob_mean=" in result.summary
     assert metrics["abs_delta_logprob_mean"] > limits["abs_delta_logprob_mean"], (metrics, limits)
+
+
+@pytest.mark.slow
+def test_on_a_gpu_the_servers_experts_replayed_are_held_and_misread_ones_fail(runtime, tmp_path, monkeypatch):
+    """Routing replay (R3): the server's experts replayed in the trainer are held to the server-vs-trainer limits; read
+    with their layers shifted by one (a format bug between server and trainer) they fail those limits only."""
+    require_megatron()
+    if runtime.flavor != "gpu":
+        pytest.skip("routed experts are returned by vLLM on a GPU only")
+    from model_support.core import api
+
+    request = CheckRequest(target="qwen3-moe", tiny=True, stages=("train_inference_mismatch",), alone=True)
+    (clean,) = run_check(request, tmp_path / "clean").results
+    assert clean.status == "pass", clean.summary
+    assert clean.metrics["routed_as_served"] >= 0.9, clean.metrics
+    read = api.served_experts
+    monkeypatch.setattr(api, "served_experts", lambda choice, n: read(choice, n).roll(1, dims=1))
+    (shifted,) = run_check(request, tmp_path / "shifted").results
+    assert shifted.status == "fail", shifted.summary
+    failed = {k for k, v in shifted.thresholds.items() if shifted.metrics[k] > v}
+    assert failed and all(k.startswith("replayed_") for k in failed), (failed, shifted.metrics)

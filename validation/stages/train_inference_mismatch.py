@@ -21,6 +21,8 @@ trainer) over the server's top 20 tokens at each sampled position (``art_top20_k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from model_support.core.serving.errors import ServingError
@@ -201,6 +203,10 @@ class TrainInferenceMismatchStage(Stage):
         }
         limits, one_side = mismatch_tolerance(dtype, reference, sides), mismatch_tolerance(dtype, reference)
         thresholds = limits | {p + k: v for p in ("hf_", "megatron_hf_") for k, v in one_side.items()}
+        replay = self._replay(ctx, samples, sequences, served, sampled)
+        if replay is not None:  # the trainer routing as the server did may drift no further than routing its own way
+            metrics |= replay
+            thresholds |= {f"replayed_{k}": v for k, v in limits.items()}
         return self.judge(
             metrics,
             thresholds,
@@ -214,9 +220,44 @@ class TrainInferenceMismatchStage(Stage):
                 "serving dtype {}: {}".format(*session.serving_dtype(ctx)),
                 *calibration(dtype, reference, limits, sides, " (server vs Megatron)"),
                 *calibration(dtype, reference, one_side, 1, " (hf_*, megatron_hf_*: each side vs fp32)"),
+                self._replay_line(ctx, metrics),
                 f"adapter: {origin}",
                 f"trainer: the Megatron model ({session.policy_model(ctx).describe()}); hf_*: the server vs "
                 "transformers fp32, adapter merged; megatron_hf_*: the trainer vs that",
             ],
             ctx=ctx,
+        )
+
+    @staticmethod
+    def _replay(
+        ctx: CheckContext,
+        samples: list[dict],
+        sequences: list[list[int]],
+        served: torch.Tensor,
+        sampled: Callable[[list[torch.Tensor]], torch.Tensor],
+    ) -> dict[str, float] | None:
+        """Routing replay (R3) where the server returns routed experts: the trainer's mismatch with the server's
+        experts replayed (``replayed_*``) and the share of token-layers it routes as the server did on its own."""
+        from model_support.core import api
+        from model_support.validation import serving_session as session
+
+        if session.routing_gap(ctx) is not None:
+            return None
+        experts = [api.served_experts(s, len(seq)) for s, seq in zip(samples, sequences, strict=True)]
+        replayed = sampled(session.megatron_logprobs(ctx, sequences, experts))
+        metrics = {f"replayed_{k}": v for k, v in mismatch(served - replayed).items()}
+        return metrics | {"routed_as_served": session.routed_as_served(ctx, sequences, experts)}
+
+    @staticmethod
+    def _replay_line(ctx: CheckContext, metrics: dict) -> str:
+        from model_support.validation import serving_session as session
+
+        if "replayed_kl_mean" not in metrics:
+            return f"routing replay (R3): not measured, {session.routing_gap(ctx)}"
+        m = metrics
+        return (
+            f"routing replay (R3): the trainer routes {m['routed_as_served']:.2%} of token-layers as the server did; "
+            f"with the server's experts replayed, mean |delta| {m['replayed_abs_delta_logprob_mean']:.3g} (own "
+            f"routing {m['abs_delta_logprob_mean']:.3g}), max {m['replayed_abs_delta_logprob_max']:.3g} "
+            f"({m['abs_delta_logprob_max']:.3g}), KL {m['replayed_kl_mean']:.3g} ({m['kl_mean']:.3g})"
         )
