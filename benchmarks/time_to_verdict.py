@@ -166,9 +166,13 @@ def main() -> None:
     on_cpu.add_argument("handlers", nargs="*")
     for mode in (on_gpu, on_cpu):
         mode.add_argument("--out", type=Path, default=None)
+        mode.add_argument(
+            "--work", type=Path, help="the runs' Triton caches (kept: a later call's warm run finds the cold one's)"
+        )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        work = Path(scratch)
+        work = args.work or Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
         logs = args.out or work
         logs.mkdir(parents=True, exist_ok=True)
         if args.mode == "gpu":
