@@ -407,7 +407,9 @@ def trainer_logprobs(
     for rows in by_length.values():  # one forward per length: no padding
         ids = torch.tensor([sequences[i] for i in rows])
         logits = reference.forward(ids, adapter=deltas, merge_dtype=merge_dtype).logits
-        out.update(zip(rows, torch.log_softmax(logits.double().cpu(), dim=-1), strict=True))
+        out.update(
+            zip(rows, torch.log_softmax(logits.double(), dim=-1).cpu(), strict=True)
+        )  # on the reference's device
     return [out[i] for i in range(len(sequences))]
 
 
