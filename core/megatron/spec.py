@@ -44,6 +44,8 @@ class SDPAttention(MegatronModule):
     (transformers' ``sliding_window``, transformer-engine's ``window_size=(window - 1, 0)``).
     The config's ``softmax_type`` is megatron-core's: ``"learnable"`` gives each head a sink, ``softmax_offset``
     (gpt-oss's ``sinks``), a logit that joins every query's softmax with no value; ``"off-by-one"`` a sink of 0.
+    ``softcap`` (a ModuleSpec param) caps every score as ``softcap * tanh(score / softcap)`` before the softmax
+    (Gemma 2's ``attn_logit_softcapping``).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class SDPAttention(MegatronModule):
         attention_type: str,
         softmax_scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
         **kwargs: Any,
     ):
         super().__init__(config)
@@ -61,6 +64,9 @@ class SDPAttention(MegatronModule):
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must hold at least one key, got {window}")
         self.window = window
+        if softcap is not None and (softcap <= 0 or config.softmax_type != "vanilla"):
+            raise ValueError(f"a score soft-cap must be positive and without attention sinks, got {softcap}")
+        self.softcap = softcap
         self.rows: RowLayout | None = None  # a packed row's layout, set around a forward
         heads = config.num_attention_heads // config.tensor_model_parallel_size
         if config.softmax_type == "vanilla":
@@ -79,6 +85,8 @@ class SDPAttention(MegatronModule):
         """SDPA of [B, H, S, D] blocks, causal without ``visible`` (True = a query may see a key). With sinks, each
         head's sink is one more key, scoring its ``softmax_offset`` against every query and carrying a zero value: an
         extra query channel of 1 meets the sink key's channel of ``offset / scale`` (0 on the other keys)."""
+        if self.softcap is not None:
+            return self._capped(q, k, v, visible)
         if self.softmax_offset is None:
             if visible is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
@@ -94,6 +102,18 @@ class SDPAttention(MegatronModule):
             [visible.expand(*visible.shape[:-2], sq, sk), visible.new_ones(*visible.shape[:-2], sq, 1)], -1
         )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """Attention with soft-capped scores, written out: SDPA has no hook between the scores and the softmax.
+        The softmax in fp32, as megatron-core's softmax of bf16 scores."""
+        assert self.softcap is not None
+        sq, sk = q.shape[2], k.shape[2]
+        if visible is None:
+            visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.matmul(probs.to(v.dtype), v)
 
     def _mask(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """True where a query may not see a key: a later one, or one outside the sliding window."""

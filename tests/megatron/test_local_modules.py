@@ -114,6 +114,40 @@ def test_sdpa_attention_sinks_are_gpt_oss_sinks_in_every_block_layout() -> None:
     assert attn.softmax_offset.grad is not None and attn.softmax_offset.grad.abs().sum() > 0
 
 
+def test_sdpa_soft_capped_scores_are_gemma_2s_in_every_block_layout() -> None:
+    """``softcap``: each score capped as transformers' Gemma 2 eager attention caps it, causal, windowed and over a
+    packed row's documents; the cap changes the output by far more than round-off."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from model_support.core.megatron.spec import SDPAttention
+
+    seq, window, cap = 9, 4, 2.0
+    gen = torch.Generator().manual_seed(3)
+    q = 3 * torch.randn(seq, 2, 4, 8, generator=gen)  # scores well past the cap
+    k, v = torch.randn(seq, 2, 2, 8, generator=gen), torch.randn(seq, 2, 2, 8, generator=gen)
+    i = torch.arange(seq)
+    doc = (i >= 5).long()
+    causal = i[:, None] >= i[None, :]
+
+    def reference(allowed: torch.Tensor) -> torch.Tensor:
+        module = SimpleNamespace(num_key_value_groups=2, training=False)
+        mask = torch.zeros(seq, seq).masked_fill(~allowed, float("-inf"))[None, None]
+        out, _ = eager_attention_forward(
+            module, *(t.permute(1, 2, 0, 3) for t in (q, k, v)), mask, scaling=1 / math.sqrt(8), softcap=cap
+        )
+        return out.transpose(0, 1).flatten(2)
+
+    for kw, allowed in (({}, causal), ({"window": window}, causal & (i[:, None] - i[None, :] < window))):
+        attn = SDPAttention(_transformer_config(), 1, None, "self", softcap=cap, **kw)
+        torch.testing.assert_close(attn(q, k, v, None), reference(allowed), rtol=1e-5, atol=1e-6)
+        packed = allowed & (doc[:, None] == doc[None, :])
+        torch.testing.assert_close(attn(q, k, v, ~packed[None, None]), reference(packed), rtol=1e-5, atol=1e-6)
+    plain = SDPAttention(_transformer_config(), 1, None, "self")
+    assert (plain(q, k, v, None) - reference(causal)).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="soft-cap must be positive and without attention sinks"):
+        SDPAttention(_transformer_config(softmax_type="learnable"), 1, None, "self", softcap=cap)
+
+
 def test_sdpa_rejects_an_empty_window() -> None:
     from model_support.core.megatron.spec import SDPAttention
 
