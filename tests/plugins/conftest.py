@@ -112,3 +112,36 @@ def default_check(installed_plugin, tmp_path_factory: pytest.TempPathFactory) ->
     """``default_check(plugin_dir)``: the plugin's whole default ``check --tiny``, every stage and default layout
     (for the exhaustive tier's tests)."""
     return _checks(installed_plugin, tmp_path_factory, ())
+
+
+def run_changed(
+    site: Path,
+    model_dir: Path,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    architecture: str,
+    stage: str,
+    **change: Any,
+) -> dict[str, Any]:
+    """The results of ``stage`` (and its prerequisites), by stage, on a plugin's tiny model, in this process, with the
+    handler registered for ``architecture`` (the plugin installed at ``site``) changed by ``change``."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    monkeypatch.syspath_prepend(str(site))
+    from model_support.core.registry import load_registry
+    from model_support.validation.context import CheckContext
+    from model_support.validation.runner import plan, run_checks
+    from model_support.validation.stage_registry import load_stages
+
+    registry = load_registry()
+    good = registry.for_architecture(architecture)
+    changed = dataclasses.replace(good, spec=dataclasses.replace(good.spec, **change))
+    config = AutoConfig.from_pretrained(model_dir)
+    ctx = CheckContext(
+        target=f"changed-{good.spec.name}", model_dir=model_dir, handler=changed, config=config,
+        layout=changed.spec.layout(config), registry=registry, workdir=workdir, tiny=True,
+    )  # fmt: skip
+    report = run_checks(ctx, plan(load_stages(registry).classes(), [stage]))
+    return {r.stage: r for r in report.results}

@@ -4,7 +4,6 @@ tests, and declarations that get the family wrong failing."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from tests.helpers import run_plugin_tests
 from tests.megatron.conftest import require_megatron
-from tests.plugins.conftest import ONE_PROCESS_STAGES
+from tests.plugins.conftest import ONE_PROCESS_STAGES, run_changed
 
 pytestmark = pytest.mark.slow
 
@@ -77,24 +76,7 @@ def full_attention_everywhere(config: Any, vp_stage: int | None = None) -> Any:
 
 def _run(site: Path, model_dir: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch, stage: str, **change: Any):
     """The results of ``stage`` (and its prerequisites) on the tiny model, with the handler changed by ``change``."""
-    from transformers import AutoConfig
-
-    monkeypatch.syspath_prepend(str(site))
-    from model_support.core.registry import load_registry
-    from model_support.validation.context import CheckContext
-    from model_support.validation.runner import plan, run_checks
-    from model_support.validation.stage_registry import load_stages
-
-    registry = load_registry()
-    good = registry.for_architecture("Gemma3ForCausalLM")
-    broken = dataclasses.replace(good, spec=dataclasses.replace(good.spec, **change))
-    config = AutoConfig.from_pretrained(model_dir)
-    ctx = CheckContext(
-        target="broken-gemma3", model_dir=model_dir, handler=broken, config=config,
-        layout=broken.spec.layout(config), registry=registry, workdir=workdir, tiny=True,
-    )  # fmt: skip
-    report = run_checks(ctx, plan(load_stages(registry).classes(), [stage]))
-    return {r.stage: r for r in report.results}
+    return run_changed(site, model_dir, workdir, monkeypatch, "Gemma3ForCausalLM", stage, **change)
 
 
 def test_targets_named_as_vllm_packs_them_fail_architecture(check, site, tmp_path, monkeypatch):

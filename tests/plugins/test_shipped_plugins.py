@@ -34,7 +34,7 @@ def _vllm_skip(summary: str) -> bool:
 def test_every_family_of_the_project_ships_as_a_plugin_checked_here():
     assert {p.name for p in SHIPPED} >= {
         "model-support-llama", "model-support-gemma3", "model-support-olmoe", "model-support-deepseek-v3",
-        "model-support-glm4-moe", "model-support-mixtral", "model-support-gpt-oss",
+        "model-support-glm4-moe", "model-support-mixtral", "model-support-gpt-oss", "model-support-gemma2",
     }  # fmt: skip
 
 
