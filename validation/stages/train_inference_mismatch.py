@@ -14,6 +14,11 @@ its fp32 run on the same ids (the KL four times its own), as the Megatron stages
 where server and trainer both run below fp32 they may drift apart by the sum of their two allowances, and the sides'
 own limits are what catches either one going wrong.
 
+Routing replay (R3): for an MoE model whose server returns each token's routed experts (vLLM on a GPU,
+``serving_session.routing_gap``), the trainer scores the same samples again with the server's experts replayed
+(``replayed_*``, held to the server-vs-trainer limits), and ``routed_as_served`` is the share of token-layers the
+trainer routes as the server did on its own; elsewhere the details say why it was not measured.
+
 Beside these, ART's two figures for the same samples, reported with ART's limits and not judged: the mean
 ``|p_server - p_trainer|`` of the sampled tokens (``art_prob_abs_diff_mean``; ART asks <= 4%) and KL(server ||
 trainer) over the server's top 20 tokens at each sampled position (``art_top20_kl_mean``; ART asks <= 0.002).
