@@ -375,7 +375,7 @@ def forward_backward(
     if cp > 1 and seq % (2 * cp):
         raise ValueError(f"context parallel {cp} splits sequences into {2 * cp} chunks: {seq} tokens do not")
     if routed_experts is not None:
-        check_experts(chunks, routed_experts, (batch, seq))
+        check_experts(chunks, routed_experts, (batch, seq), backward=not forward_only or torch.is_grad_enabled())
     size = batch // micro_batches
     device = next(chunks[0].parameters()).device
     if normalize == "global_tokens" and loss_mask is None:

@@ -38,9 +38,12 @@ def decoder_routers(chunks: Sequence[torch.nn.Module]) -> list[Any]:
     return found
 
 
-def check_experts(chunks: Sequence[torch.nn.Module], experts: torch.Tensor, tokens: tuple[int, int]) -> None:
+def check_experts(
+    chunks: Sequence[torch.nn.Module], experts: torch.Tensor, tokens: tuple[int, int], backward: bool
+) -> None:
     """``experts`` must be ``[B, S, L, k]`` for ``tokens = (B, S)``, with the model's L and k, ids of its experts;
-    a model recomputing its layers in the backward would replay the wrong micro-batch's experts there."""
+    where a ``backward`` may follow, a model recomputing its layers there would replay the wrong micro-batch's
+    experts in the recomputed forward."""
     config = chunks[0].config
     if not config.num_moe_experts:
         raise ValueError("routed experts are given, but the model has no MoE layer")
@@ -60,8 +63,11 @@ def check_experts(chunks: Sequence[torch.nn.Module], experts: torch.Tensor, toke
             f"routed experts are ids of the model's {config.num_moe_experts} experts at its MoE layers, got ids from "
             f"{routed.min().item()} to {routed.max().item()}"
         )
-    if config.recompute_granularity is not None:
-        raise ValueError("routing replay with activation recompute is not supported: build the model without it")
+    if backward and config.recompute_granularity is not None:
+        raise ValueError(
+            "routing replay with activation recompute replays only a forward no backward recomputes (forward_only "
+            "under torch.no_grad): build the model without recompute to train on replayed routing"
+        )
 
 
 def padded(experts: torch.Tensor, count: int, dim: int) -> torch.Tensor:

@@ -37,9 +37,9 @@ def step_rows() -> torch.Tensor:
     return torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
-def build(model_dir: Path, layout: str | None) -> api.TrainingModel:
+def build(model_dir: Path, layout: str | None, recompute: bool = False) -> api.TrainingModel:
     parallel = api.ParallelLayout() if layout is None else api.ParallelLayout.parse(layout)
-    model = api.build_model(model_dir, parallel=parallel, dtype=torch.float32)
+    model = api.build_model(model_dir, parallel=parallel, dtype=torch.float32, recompute=recompute)
     api.apply_lora(model, rank=4, alpha=8.0)
     load_lora_state(model.chunks, random_lora_state(model.chunks, seed=LORA_SEED, b_std=0.05))
     return model

@@ -96,6 +96,20 @@ def test_malformed_routed_experts_are_refused_in_one_line(moe, tiny_model_dir):
         api.routed_experts(dense, [[1, 2, 3]])
 
 
+def test_a_model_built_to_recompute_replays_where_no_backward_recomputes(moe, tiny_model_dir):
+    """Scoring without gradients (a check's, a trainer's log-probs of samples) runs no recomputed forward: replay is
+    taken there and gives the rows of a model built without recompute; where a backward could recompute, refused."""
+    recomputing = routing_worker.build(tiny_model_dir("qwen3-moe"), None, recompute=True)
+    sequences = routing_worker.SEQUENCES
+    planted = [routing_worker.planted(len(s), *_shape(moe)) for s in sequences]
+    with torch.no_grad():
+        ours = api.token_logprobs(recomputing, sequences, routed_experts=planted)
+        plain = api.token_logprobs(moe, sequences, routed_experts=planted)
+    assert max((a - b).abs().max().item() for a, b in zip(ours, plain, strict=True)) < 1e-6
+    with pytest.raises(ValueError, match=r"routing replay with activation recompute replays only a forward no"):
+        api.token_logprobs(recomputing, sequences, routed_experts=planted)
+
+
 def test_two_ranks_route_and_replay_as_one_rank_does(moe, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -53,6 +53,7 @@ def test_attention_by_block_equals_the_dense_mask(window: int | None):
     attention = SDPAttention.__new__(SDPAttention)  # no megatron config needed for the core attention alone
     torch.nn.Module.__init__(attention)
     attention.scale, attention.window, attention.rows, attention.softmax_offset = dim**-0.5, None, None, None
+    attention.softcap = None
     q, k, v = (torch.randn(seq, 1, heads, dim, generator=torch.Generator().manual_seed(i)) for i in range(3))
     # The dense formulation: a query sees a key of its own sequence, or of its prompt, at an earlier position.
     owner = torch.empty(seq, dtype=torch.long)
