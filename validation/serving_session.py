@@ -407,9 +407,8 @@ def trainer_logprobs(
     for rows in by_length.values():  # one forward per length: no padding
         ids = torch.tensor([sequences[i] for i in rows])
         logits = reference.forward(ids, adapter=deltas, merge_dtype=merge_dtype).logits
-        out.update(
-            zip(rows, torch.log_softmax(logits.double(), dim=-1).cpu(), strict=True)
-        )  # on the reference's device
+        # The log-softmax on the reference's device (a GPU's), the rows then kept on the host.
+        out.update(zip(rows, torch.log_softmax(logits.double(), dim=-1).cpu(), strict=True))
     return [out[i] for i in range(len(sequences))]
 
 

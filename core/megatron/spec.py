@@ -85,15 +85,15 @@ class SDPAttention(MegatronModule):
         """SDPA of [B, H, S, D] blocks, causal without ``visible`` (True = a query may see a key). With sinks, each
         head's sink is one more key, scoring its ``softmax_offset`` against every query and carrying a zero value: an
         extra query channel of 1 meets the sink key's channel of ``offset / scale`` (0 on the other keys)."""
-        if self.softcap is not None:
-            return self._capped(q, k, v, visible)
-        if self.softmax_offset is None:
+        if self.softcap is None and self.softmax_offset is None:
             if visible is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
         (batch, heads, sq, _), sk = q.shape, k.shape[2]
         if visible is None:
             visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        if self.softcap is not None:
+            return self._capped(q, k, v, visible)
         sink = (self.softmax_offset.to(k.dtype) / self.scale).reshape(1, heads, 1, 1).expand(batch, -1, 1, 1)
         q = torch.cat([q, q.new_ones(batch, heads, sq, 1)], dim=-1)
         k = torch.cat([torch.cat([k, k.new_zeros(batch, heads, sk, 1)], dim=-1), F.pad(sink, (k.shape[-1], 0))], dim=2)
@@ -103,13 +103,10 @@ class SDPAttention(MegatronModule):
         )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
 
-    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Attention with soft-capped scores, written out: SDPA has no hook between the scores and the softmax.
         The softmax in fp32, as megatron-core's softmax of bf16 scores."""
         assert self.softcap is not None
-        sq, sk = q.shape[2], k.shape[2]
-        if visible is None:
-            visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         scores = self.softcap * torch.tanh(scores / self.softcap)
         probs = torch.softmax(scores.float().masked_fill(~visible, float("-inf")), dim=-1)
